@@ -1,0 +1,162 @@
+//! Time sources for the engine.
+//!
+//! Rates are computed on a monotonic clock (nanoseconds since the clock was made) so that a wall-clock
+//! step (NTP, a VM resume) can neither mint tokens nor freeze a bucket. The wall clock is used only where
+//! the calendar matters: UTC days for daily quotas and HTTP-dates in upstream `Retry-After` values.
+//!
+//! Every time-based rule in the engine takes `now` from a [`Clock`], so tests drive a [`FakeClock`] and run
+//! instantly and deterministically.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Monotonic time in nanoseconds since the clock's origin.
+pub type Nanos = u64;
+
+/// Nanoseconds in one second and one millisecond.
+pub const NS_PER_SEC: u64 = 1_000_000_000;
+pub const NS_PER_MS: u64 = 1_000_000;
+
+/// A source of monotonic and wall-clock time.
+pub trait Clock: Send + Sync + 'static {
+    /// Monotonic nanoseconds since this clock's origin; never goes backwards.
+    fn mono(&self) -> Nanos;
+    /// Milliseconds since the Unix epoch (UTC), for calendar rules only.
+    fn wall_ms(&self) -> i64;
+}
+
+/// The real clocks of the process.
+#[derive(Debug, Clone)]
+pub struct SystemClock {
+    origin: Instant,
+}
+
+impl SystemClock {
+    pub fn new() -> Self {
+        SystemClock { origin: Instant::now() }
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for SystemClock {
+    fn mono(&self) -> Nanos {
+        // An u64 of nanoseconds lasts 584 years of uptime.
+        self.origin.elapsed().as_nanos() as u64
+    }
+    fn wall_ms(&self) -> i64 {
+        match SystemTime::now().duration_since(UNIX_EPOCH) {
+            Ok(d) => d.as_millis() as i64,
+            Err(e) => -(e.duration().as_millis() as i64),
+        }
+    }
+}
+
+/// A clock that only moves when told to. Cheap to clone; clones share the same time.
+#[derive(Debug, Clone)]
+pub struct FakeClock {
+    mono: Arc<AtomicU64>,
+    wall_ms: Arc<AtomicI64>,
+}
+
+impl FakeClock {
+    /// A fake clock whose monotonic time starts at 0 and whose wall clock starts at `wall_ms`.
+    pub fn new(wall_ms: i64) -> Self {
+        FakeClock {
+            mono: Arc::new(AtomicU64::new(0)),
+            wall_ms: Arc::new(AtomicI64::new(wall_ms)),
+        }
+    }
+
+    /// Moves both clocks forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        self.mono.fetch_add(d.as_nanos() as u64, Ordering::SeqCst);
+        self.wall_ms.fetch_add(d.as_millis() as i64, Ordering::SeqCst);
+    }
+
+    /// Moves both clocks forward by `ms` milliseconds.
+    pub fn advance_ms(&self, ms: u64) {
+        self.advance(Duration::from_millis(ms));
+    }
+}
+
+impl Clock for FakeClock {
+    fn mono(&self) -> Nanos {
+        self.mono.load(Ordering::SeqCst)
+    }
+    fn wall_ms(&self) -> i64 {
+        self.wall_ms.load(Ordering::SeqCst)
+    }
+}
+
+/// Rounds nanoseconds up to whole milliseconds.
+pub fn ceil_ms(ns: u64) -> u64 {
+    ns.div_ceil(NS_PER_MS)
+}
+
+/// Rounds nanoseconds up to whole seconds.
+pub fn ceil_secs(ns: u64) -> u64 {
+    ns.div_ceil(NS_PER_SEC)
+}
+
+/// Milliseconds from `wall_ms` until the next midnight UTC.
+pub fn ms_until_utc_midnight(wall_ms: i64) -> u64 {
+    const DAY_MS: i64 = 86_400_000;
+    let into_day = wall_ms.rem_euclid(DAY_MS);
+    (DAY_MS - into_day) as u64
+}
+
+/// The UTC day number (days since 1970-01-01) of a wall-clock time.
+pub fn utc_day(wall_ms: i64) -> i64 {
+    wall_ms.div_euclid(86_400_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fake_clock_moves_only_when_told() {
+        let c = FakeClock::new(1_000);
+        assert_eq!(c.mono(), 0);
+        c.advance_ms(1500);
+        assert_eq!(c.mono(), 1_500 * NS_PER_MS);
+        assert_eq!(c.wall_ms(), 2_500);
+        let c2 = c.clone();
+        c2.advance(Duration::from_nanos(7));
+        assert_eq!(c.mono(), 1_500 * NS_PER_MS + 7);
+    }
+
+    #[test]
+    fn rounding_helpers_round_up() {
+        assert_eq!(ceil_ms(1), 1);
+        assert_eq!(ceil_ms(NS_PER_MS), 1);
+        assert_eq!(ceil_ms(NS_PER_MS + 1), 2);
+        assert_eq!(ceil_secs(0), 0);
+        assert_eq!(ceil_secs(NS_PER_SEC + 1), 2);
+    }
+
+    #[test]
+    fn utc_midnight_and_day_numbers() {
+        // 2026-10-21T23:59:59.000Z
+        let t = 1_792_627_199_000;
+        assert_eq!(ms_until_utc_midnight(t), 1_000);
+        assert_eq!(utc_day(t) + 1, utc_day(t + 1_000));
+        assert_eq!(ms_until_utc_midnight(t + 1_000), 86_400_000);
+        assert_eq!(utc_day(-1), -1);
+    }
+
+    #[test]
+    fn system_clock_is_monotonic() {
+        let c = SystemClock::new();
+        let a = c.mono();
+        let b = c.mono();
+        assert!(b >= a);
+        assert!(c.wall_ms() > 1_700_000_000_000);
+    }
+}

@@ -1,0 +1,858 @@
+//! The config file: TOML text in, validated policy out.
+//!
+//! Parsing happens in two steps. Serde reads the file into `Raw*` structs that keep the byte span of every
+//! value (`toml::Spanned`) and refuse unknown keys; validation then turns them into the typed [`Config`]
+//! the engine uses. Every error — TOML syntax, an unknown key, a value out of range, a dangling plan name
+//! — is reported as `FILE:LINE: message` for the first problem, so an operator can fix it without
+//! guessing. The same path serves `admitd check`, startup and reload, so a file that passes `check` is
+//! exactly a file the daemon accepts.
+
+pub mod units;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+pub use units::{parse_duration, parse_rate, Rate};
+
+/// A config error located in its file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub file: String,
+    /// 1-based line of the offending key or value, when known.
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{}: {}", self.file, line, self.message),
+            None => write!(f, "{}: {}", self.file, self.message),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Whether refusals are enforced or only reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Enforce,
+    Shadow,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        }
+    }
+}
+
+/// A token bucket's shape: refill rate and size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketSpec {
+    pub rate: Rate,
+    pub burst: f64,
+}
+
+impl BucketSpec {
+    pub fn new(per_sec: f64, burst: f64) -> Self {
+        BucketSpec { rate: Rate::per_sec(per_sec), burst }
+    }
+}
+
+/// The limits of one layer (`[limits.subject]`, `[limits.tenant]`, `[limits.global]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerLimits {
+    pub bucket: BucketSpec,
+    /// Calls in flight at once; `None` is unlimited.
+    pub concurrency: Option<u32>,
+    /// Cost units per UTC day; `None` is unlimited.
+    pub daily_quota: Option<f64>,
+}
+
+/// Partial limits: what a plan overrides.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LayerOverride {
+    pub rate: Option<Rate>,
+    pub burst: Option<f64>,
+    pub concurrency: Option<u32>,
+    pub daily_quota: Option<f64>,
+}
+
+impl LayerOverride {
+    fn apply(&self, base: &LayerLimits) -> LayerLimits {
+        LayerLimits {
+            bucket: BucketSpec {
+                rate: self.rate.unwrap_or(base.bucket.rate),
+                burst: self.burst.unwrap_or(base.bucket.burst),
+            },
+            concurrency: self.concurrency.or(base.concurrency),
+            daily_quota: self.daily_quota.or(base.daily_quota),
+        }
+    }
+}
+
+/// `[limits.*]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    pub subject: LayerLimits,
+    pub tenant: LayerLimits,
+    pub global: LayerLimits,
+}
+
+/// `[plans.NAME]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Plan {
+    pub subject: LayerOverride,
+    pub tenant: LayerOverride,
+}
+
+/// `[tools.NAME]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ToolConfig {
+    /// Cost units one call spends when the request names none.
+    pub cost: Option<f64>,
+    /// The upstream a call spends when the request names none.
+    pub upstream: Option<String>,
+    /// A per-subject bucket for this tool (scope `subject_tool`).
+    pub bucket: Option<BucketSpec>,
+}
+
+/// `[upstreams.NAME]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpstreamConfig {
+    /// The budget for this upstream: per tenant, or across all tenants when `shared`.
+    pub bucket: Option<BucketSpec>,
+    pub shared: bool,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub mode: Mode,
+    /// Longest hold before shedding.
+    pub max_wait: Duration,
+    /// Unreleased leases expire after this and free their slot.
+    pub lease_ttl: Duration,
+    /// Threads that run tenant actors and serve HTTP; 0 means one per core.
+    pub workers: usize,
+    /// A tenant actor whose state is at rest for this long is stopped.
+    pub idle_ttl: Duration,
+    /// Calls one tenant may have waiting for a concurrency slot at once.
+    pub max_queue: usize,
+}
+
+/// `[telemetry]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetryConfig {
+    pub max_subjects_per_tenant: usize,
+    pub otlp: Option<OtlpConfig>,
+    /// Refusal log lines per second, across the daemon (further refusals are counted, not logged).
+    pub refusal_log_per_sec: f64,
+}
+
+/// `[telemetry.otlp]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OtlpConfig {
+    pub endpoint: String,
+    pub service_name: String,
+}
+
+/// `[alerts]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AlertsConfig {
+    pub shed_ratio: f64,
+    pub window: Duration,
+    pub for_: Duration,
+    pub min_calls: u64,
+    /// Ratio below which a firing alert clears (hysteresis); defaults to 80% of `shed_ratio`.
+    pub clear_ratio: f64,
+    /// Optional Alertmanager base URL; alerts are POSTed to `{url}/api/v2/alerts`.
+    pub alertmanager_url: Option<String>,
+}
+
+/// The whole validated config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file it came from, for reloads and messages; `None` for built-in defaults.
+    pub path: Option<String>,
+    pub server: ServerConfig,
+    pub limits: Limits,
+    pub plans: HashMap<String, Plan>,
+    pub tenants: HashMap<String, TenantConfig>,
+    pub tools: HashMap<String, ToolConfig>,
+    pub upstreams: HashMap<String, UpstreamConfig>,
+    pub telemetry: TelemetryConfig,
+    pub alerts: AlertsConfig,
+}
+
+/// `[tenants.NAME]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TenantConfig {
+    pub plan: Option<String>,
+}
+
+/// The limits that apply to one tenant once its plan is applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantLimits {
+    pub subject: LayerLimits,
+    pub tenant: LayerLimits,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            path: None,
+            server: ServerConfig {
+                listen: SocketAddr::from(([127, 0, 0, 1], 9470)),
+                mode: Mode::Enforce,
+                max_wait: Duration::from_secs(2),
+                lease_ttl: Duration::from_secs(300),
+                workers: 0,
+                idle_ttl: Duration::from_secs(60),
+                max_queue: 1024,
+            },
+            limits: Limits {
+                subject: LayerLimits {
+                    bucket: BucketSpec::new(2.0, 20.0),
+                    concurrency: Some(8),
+                    daily_quota: None,
+                },
+                tenant: LayerLimits {
+                    bucket: BucketSpec::new(10.0, 50.0),
+                    concurrency: Some(32),
+                    daily_quota: None,
+                },
+                global: LayerLimits {
+                    bucket: BucketSpec::new(5000.0, 5000.0),
+                    concurrency: None,
+                    daily_quota: None,
+                },
+            },
+            plans: HashMap::new(),
+            tenants: HashMap::new(),
+            tools: HashMap::new(),
+            upstreams: HashMap::new(),
+            telemetry: TelemetryConfig {
+                max_subjects_per_tenant: 1000,
+                otlp: None,
+                refusal_log_per_sec: 20.0,
+            },
+            alerts: AlertsConfig {
+                shed_ratio: 0.5,
+                window: Duration::from_secs(300),
+                for_: Duration::from_secs(60),
+                min_calls: 100,
+                clear_ratio: 0.4,
+                alertmanager_url: None,
+            },
+        }
+    }
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            line: None,
+            message: format!("cannot read the config file: {e}"),
+        })?;
+        let mut cfg = Config::parse(&file, &text)?;
+        cfg.path = Some(file);
+        Ok(cfg)
+    }
+
+    /// Validates config text; `file` names it in errors.
+    pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
+            file: file.to_string(),
+            line: e.span().map(|s| line_of(text, s.start)),
+            message: e.message().trim().to_string(),
+        })?;
+        let v = Validator { file, text };
+        v.config(raw)
+    }
+
+    /// The limits for `tenant`, with its plan applied.
+    pub fn tenant_limits(&self, tenant: &str) -> TenantLimits {
+        let plan = self
+            .tenants
+            .get(tenant)
+            .and_then(|t| t.plan.as_ref())
+            .and_then(|p| self.plans.get(p));
+        match plan {
+            Some(p) => TenantLimits {
+                subject: p.subject.apply(&self.limits.subject),
+                tenant: p.tenant.apply(&self.limits.tenant),
+            },
+            None => TenantLimits {
+                subject: self.limits.subject.clone(),
+                tenant: self.limits.tenant.clone(),
+            },
+        }
+    }
+
+    /// The number of worker threads to run.
+    pub fn worker_count(&self) -> usize {
+        if self.server.workers > 0 {
+            self.server.workers
+        } else {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        }
+    }
+}
+
+/// Checks a tenant, subject, tool or upstream name: 1 to 128 bytes of UTF-8 without control characters.
+pub fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if name.len() > 128 {
+        return Err(format!("is {} bytes long; the limit is 128", name.len()));
+    }
+    if name.chars().any(char::is_control) {
+        return Err("contains a control character".into());
+    }
+    Ok(())
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    let end = offset.min(text.len());
+    text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+// ---- raw (serde) side -------------------------------------------------------------------------------
+
+type S<T> = Spanned<T>;
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: Option<RawServer>,
+    limits: Option<RawLimits>,
+    plans: Option<BTreeMap<String, S<RawPlan>>>,
+    tenants: Option<BTreeMap<String, S<RawTenant>>>,
+    tools: Option<BTreeMap<String, S<RawTool>>>,
+    upstreams: Option<BTreeMap<String, S<RawUpstream>>>,
+    telemetry: Option<RawTelemetry>,
+    alerts: Option<RawAlerts>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: Option<S<String>>,
+    mode: Option<S<String>>,
+    max_wait: Option<S<String>>,
+    lease_ttl: Option<S<String>>,
+    workers: Option<S<i64>>,
+    idle_ttl: Option<S<String>>,
+    max_queue: Option<S<i64>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLayer {
+    rate: Option<S<String>>,
+    burst: Option<S<f64>>,
+    concurrency: Option<S<i64>>,
+    daily_quota: Option<S<f64>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    subject: Option<RawLayer>,
+    tenant: Option<RawLayer>,
+    global: Option<RawLayer>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawPlan {
+    subject: Option<RawLayer>,
+    tenant: Option<RawLayer>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawTenant {
+    plan: Option<S<String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawTool {
+    cost: Option<S<f64>>,
+    upstream: Option<S<String>>,
+    rate: Option<S<String>>,
+    burst: Option<S<f64>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawUpstream {
+    rate: Option<S<String>>,
+    burst: Option<S<f64>>,
+    shared: Option<bool>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawTelemetry {
+    max_subjects_per_tenant: Option<S<i64>>,
+    refusal_log_per_sec: Option<S<f64>>,
+    otlp: Option<RawOtlp>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawOtlp {
+    endpoint: Option<S<String>>,
+    service_name: Option<S<String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAlerts {
+    shed_ratio: Option<S<f64>>,
+    window: Option<S<String>>,
+    #[serde(rename = "for")]
+    for_: Option<S<String>>,
+    min_calls: Option<S<i64>>,
+    clear_ratio: Option<S<f64>>,
+    alertmanager_url: Option<S<String>>,
+}
+
+// ---- validation -------------------------------------------------------------------------------------
+
+struct Validator<'a> {
+    file: &'a str,
+    text: &'a str,
+}
+
+impl Validator<'_> {
+    fn err<T>(&self, span: std::ops::Range<usize>, message: impl Into<String>) -> Result<T, ConfigError> {
+        Err(ConfigError {
+            file: self.file.to_string(),
+            line: Some(line_of(self.text, span.start)),
+            message: message.into(),
+        })
+    }
+
+    fn rate(&self, key: &str, v: &S<String>) -> Result<Rate, ConfigError> {
+        parse_rate(v.get_ref()).or_else(|e| self.err(v.span(), format!("{key}: {e}")))
+    }
+
+    fn duration(&self, key: &str, v: &S<String>, max: Duration) -> Result<Duration, ConfigError> {
+        let d = parse_duration(v.get_ref()).or_else(|e| self.err(v.span(), format!("{key}: {e}")))?;
+        if d > max {
+            return self.err(v.span(), format!("{key}: {:?} is longer than the maximum of {max:?}", v.get_ref()));
+        }
+        Ok(d)
+    }
+
+    fn positive(&self, key: &str, v: &S<f64>, min: f64) -> Result<f64, ConfigError> {
+        let x = *v.get_ref();
+        if !x.is_finite() || x < min || x > 1e15 {
+            return self.err(v.span(), format!("{key} must be a number from {min} to 1e15, not {x}"));
+        }
+        Ok(x)
+    }
+
+    fn count(&self, key: &str, v: &S<i64>, min: i64, max: i64) -> Result<i64, ConfigError> {
+        let x = *v.get_ref();
+        if x < min || x > max {
+            return self.err(v.span(), format!("{key} must be a whole number from {min} to {max}, not {x}"));
+        }
+        Ok(x)
+    }
+
+    fn name(&self, key: &str, name: &str, span: std::ops::Range<usize>) -> Result<String, ConfigError> {
+        match check_name(name) {
+            Ok(()) => Ok(name.to_string()),
+            Err(e) => self.err(span, format!("{key} {name:?} {e}")),
+        }
+    }
+
+    fn layer_override(&self, section: &str, raw: &RawLayer) -> Result<LayerOverride, ConfigError> {
+        Ok(LayerOverride {
+            rate: match &raw.rate {
+                Some(r) => Some(self.rate(&format!("{section}.rate"), r)?),
+                None => None,
+            },
+            burst: match &raw.burst {
+                Some(b) => Some(self.positive(&format!("{section}.burst"), b, 1.0)?),
+                None => None,
+            },
+            concurrency: match &raw.concurrency {
+                Some(c) => Some(self.count(&format!("{section}.concurrency"), c, 1, 1_000_000)? as u32),
+                None => None,
+            },
+            daily_quota: match &raw.daily_quota {
+                Some(q) => Some(self.positive(&format!("{section}.daily_quota"), q, f64::MIN_POSITIVE)?),
+                None => None,
+            },
+        })
+    }
+
+    /// A bucket from optional `rate` and `burst`: both absent is no bucket; a rate alone gets a burst of
+    /// one second's worth (at least 1); a burst without a rate is an error.
+    fn optional_bucket(
+        &self,
+        section: &str,
+        span: std::ops::Range<usize>,
+        rate: &Option<S<String>>,
+        burst: &Option<S<f64>>,
+    ) -> Result<Option<BucketSpec>, ConfigError> {
+        match (rate, burst) {
+            (None, None) => Ok(None),
+            (None, Some(b)) => self.err(b.span(), format!("{section}.burst is set but {section}.rate is not; set both")),
+            (Some(r), b) => {
+                let rate = self.rate(&format!("{section}.rate"), r)?;
+                let burst = match b {
+                    Some(b) => self.positive(&format!("{section}.burst"), b, 1.0)?,
+                    None => rate.per_sec.ceil().max(1.0),
+                };
+                let _ = span;
+                Ok(Some(BucketSpec { rate, burst }))
+            }
+        }
+    }
+
+    fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
+        let mut cfg = Config::default();
+
+        if let Some(s) = raw.server {
+            if let Some(v) = s.listen {
+                cfg.server.listen = match v.get_ref().parse() {
+                    Ok(a) => a,
+                    Err(_) => {
+                        return self.err(v.span(), format!("server.listen: {:?} is not an address such as \"127.0.0.1:9470\"", v.get_ref()))
+                    }
+                };
+            }
+            if let Some(v) = s.mode {
+                cfg.server.mode = match v.get_ref().as_str() {
+                    "enforce" => Mode::Enforce,
+                    "shadow" => Mode::Shadow,
+                    other => return self.err(v.span(), format!("server.mode must be \"enforce\" or \"shadow\", not {other:?}")),
+                };
+            }
+            if let Some(v) = s.max_wait {
+                cfg.server.max_wait = self.duration("server.max_wait", &v, Duration::from_secs(300))?;
+            }
+            if let Some(v) = s.lease_ttl {
+                cfg.server.lease_ttl = self.duration("server.lease_ttl", &v, Duration::from_secs(7 * 86_400))?;
+                if cfg.server.lease_ttl.is_zero() {
+                    return self.err(v.span(), "server.lease_ttl must be longer than 0");
+                }
+            }
+            if let Some(v) = s.idle_ttl {
+                cfg.server.idle_ttl = self.duration("server.idle_ttl", &v, Duration::from_secs(86_400))?;
+            }
+            if let Some(v) = s.workers {
+                cfg.server.workers = self.count("server.workers", &v, 0, 256)? as usize;
+            }
+            if let Some(v) = s.max_queue {
+                cfg.server.max_queue = self.count("server.max_queue", &v, 0, 1_000_000)? as usize;
+            }
+        }
+
+        if let Some(l) = raw.limits {
+            for (name, layer, target) in [
+                ("limits.subject", l.subject, &mut cfg.limits.subject),
+                ("limits.tenant", l.tenant, &mut cfg.limits.tenant),
+                ("limits.global", l.global, &mut cfg.limits.global),
+            ] {
+                if let Some(layer) = layer {
+                    *target = self.layer_override(name, &layer)?.apply(target);
+                }
+            }
+        }
+
+        for (name, plan) in raw.plans.unwrap_or_default() {
+            let span = plan.span();
+            let key = self.name("plan", &name, span)?;
+            let p = plan.into_inner();
+            let plan = Plan {
+                subject: match &p.subject {
+                    Some(l) => self.layer_override(&format!("plans.{name}.subject"), l)?,
+                    None => LayerOverride::default(),
+                },
+                tenant: match &p.tenant {
+                    Some(l) => self.layer_override(&format!("plans.{name}.tenant"), l)?,
+                    None => LayerOverride::default(),
+                },
+            };
+            cfg.plans.insert(key, plan);
+        }
+
+        for (name, tenant) in raw.tenants.unwrap_or_default() {
+            let key = self.name("tenant", &name, tenant.span())?;
+            let t = tenant.into_inner();
+            let plan = match t.plan {
+                Some(p) => {
+                    if !cfg.plans.contains_key(p.get_ref()) {
+                        let mut known: Vec<_> = cfg.plans.keys().cloned().collect();
+                        known.sort();
+                        let known = if known.is_empty() { "no plans are defined".to_string() } else { format!("defined plans: {}", known.join(", ")) };
+                        return self.err(p.span(), format!("tenants.{name}.plan: unknown plan {:?} ({known})", p.get_ref()));
+                    }
+                    Some(p.into_inner())
+                }
+                None => None,
+            };
+            cfg.tenants.insert(key, TenantConfig { plan });
+        }
+
+        for (name, tool) in raw.tools.unwrap_or_default() {
+            let span = tool.span();
+            let key = self.name("tool", &name, span.clone())?;
+            let t = tool.into_inner();
+            let section = format!("tools.{name}");
+            let cost = match &t.cost {
+                Some(c) => Some(self.positive(&format!("{section}.cost"), c, f64::MIN_POSITIVE)?),
+                None => None,
+            };
+            let upstream = match &t.upstream {
+                Some(u) => Some(self.name(&format!("{section}.upstream"), u.get_ref(), u.span())?),
+                None => None,
+            };
+            let bucket = self.optional_bucket(&section, span, &t.rate, &t.burst)?;
+            cfg.tools.insert(key, ToolConfig { cost, upstream, bucket });
+        }
+
+        for (name, up) in raw.upstreams.unwrap_or_default() {
+            let span = up.span();
+            let key = self.name("upstream", &name, span.clone())?;
+            let u = up.into_inner();
+            let section = format!("upstreams.{name}");
+            let bucket = self.optional_bucket(&section, span, &u.rate, &u.burst)?;
+            cfg.upstreams.insert(key, UpstreamConfig { bucket, shared: u.shared.unwrap_or(false) });
+        }
+
+        if let Some(t) = raw.telemetry {
+            if let Some(v) = t.max_subjects_per_tenant {
+                cfg.telemetry.max_subjects_per_tenant = self.count("telemetry.max_subjects_per_tenant", &v, 0, 1_000_000)? as usize;
+            }
+            if let Some(v) = t.refusal_log_per_sec {
+                cfg.telemetry.refusal_log_per_sec = self.positive("telemetry.refusal_log_per_sec", &v, 0.0)?;
+            }
+            if let Some(o) = t.otlp {
+                let endpoint = match o.endpoint {
+                    Some(e) => {
+                        let s = e.get_ref().trim();
+                        if !(s.starts_with("http://") || s.starts_with("https://")) {
+                            return self.err(e.span(), format!("telemetry.otlp.endpoint must be an http:// or https:// URL, not {s:?}"));
+                        }
+                        Some(s.to_string())
+                    }
+                    None => None,
+                };
+                let service_name = o.service_name.map(|s| s.into_inner()).unwrap_or_else(|| "admitd".to_string());
+                cfg.telemetry.otlp = endpoint.map(|endpoint| OtlpConfig { endpoint, service_name });
+            }
+        }
+
+        if let Some(a) = raw.alerts {
+            if let Some(v) = a.shed_ratio {
+                let r = *v.get_ref();
+                if !(r > 0.0 && r < 1.0) {
+                    return self.err(v.span(), format!("alerts.shed_ratio must be between 0 and 1 (exclusive), not {r}"));
+                }
+                cfg.alerts.shed_ratio = r;
+                cfg.alerts.clear_ratio = r * 0.8;
+            }
+            if let Some(v) = a.clear_ratio {
+                let r = *v.get_ref();
+                if !(r >= 0.0 && r <= cfg.alerts.shed_ratio) {
+                    return self.err(v.span(), format!("alerts.clear_ratio must be between 0 and alerts.shed_ratio ({}), not {r}", cfg.alerts.shed_ratio));
+                }
+                cfg.alerts.clear_ratio = r;
+            }
+            if let Some(v) = a.window {
+                cfg.alerts.window = self.duration("alerts.window", &v, Duration::from_secs(86_400))?;
+                if cfg.alerts.window < Duration::from_secs(1) {
+                    return self.err(v.span(), "alerts.window must be at least 1s");
+                }
+            }
+            if let Some(v) = a.for_ {
+                cfg.alerts.for_ = self.duration("alerts.for", &v, Duration::from_secs(86_400))?;
+            }
+            if let Some(v) = a.min_calls {
+                cfg.alerts.min_calls = self.count("alerts.min_calls", &v, 0, i64::MAX)? as u64;
+            }
+            if let Some(v) = a.alertmanager_url {
+                let s = v.get_ref().trim().trim_end_matches('/');
+                if !(s.starts_with("http://") || s.starts_with("https://")) {
+                    return self.err(v.span(), format!("alerts.alertmanager_url must be an http:// or https:// URL, not {s:?}"));
+                }
+                cfg.alerts.alertmanager_url = Some(s.to_string());
+            }
+        }
+
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+[server]
+listen = "127.0.0.1:9470"
+mode = "enforce"
+max_wait = "2s"
+lease_ttl = "5m"
+
+[limits.subject]
+rate = "120/min"
+burst = 20
+concurrency = 8
+daily_quota = 20000
+
+[limits.tenant]
+rate = "600/min"
+burst = 50
+concurrency = 32
+
+[limits.global]
+rate = "5000/s"
+burst = 5000
+
+[plans.free.subject]
+rate = "30/min"
+burst = 5
+
+[tenants.globex]
+plan = "free"
+
+[tools.get_sales]
+cost = 20
+upstream = "warehouse"
+rate = "5/min"
+burst = 5
+
+[upstreams.warehouse]
+rate = "20/s"
+burst = 20
+shared = false
+
+[telemetry]
+max_subjects_per_tenant = 1000
+
+[telemetry.otlp]
+endpoint = "http://127.0.0.1:4318/v1/traces"
+service_name = "admitd"
+
+[alerts]
+shed_ratio = 0.5
+window = "5m"
+for = "1m"
+min_calls = 100
+"#;
+
+    #[test]
+    fn the_contract_example_parses() {
+        let c = Config::parse("admitd.toml", EXAMPLE).unwrap();
+        assert_eq!(c.limits.subject.bucket, BucketSpec::new(2.0, 20.0));
+        assert_eq!(c.limits.subject.daily_quota, Some(20000.0));
+        assert_eq!(c.limits.tenant.concurrency, Some(32));
+        assert_eq!(c.tools["get_sales"].cost, Some(20.0));
+        assert_eq!(c.tools["get_sales"].bucket.unwrap().burst, 5.0);
+        assert_eq!(c.upstreams["warehouse"].bucket, Some(BucketSpec::new(20.0, 20.0)));
+        assert_eq!(c.telemetry.otlp.as_ref().unwrap().endpoint, "http://127.0.0.1:4318/v1/traces");
+        assert_eq!(c.alerts.for_, Duration::from_secs(60));
+        let free = c.tenant_limits("globex");
+        assert_eq!(free.subject.bucket, BucketSpec::new(0.5, 5.0));
+        // a plan keeps the keys it does not override
+        assert_eq!(free.subject.concurrency, Some(8));
+        assert_eq!(free.subject.daily_quota, Some(20000.0));
+        assert_eq!(c.tenant_limits("acme").subject.bucket, BucketSpec::new(2.0, 20.0));
+    }
+
+    #[test]
+    fn empty_file_is_the_defaults() {
+        let c = Config::parse("x.toml", "").unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.server.max_wait, Duration::from_secs(2));
+        assert_eq!(c.limits.tenant.bucket, BucketSpec::new(10.0, 50.0));
+    }
+
+    fn err(text: &str) -> String {
+        Config::parse("cfg.toml", text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_file_and_line() {
+        let e = err("[limits.subject]\nburst = 20\nrate = \"5/mins\"\n");
+        assert!(e.starts_with("cfg.toml:3: limits.subject.rate: invalid rate \"5/mins\""), "{e}");
+
+        let e = err("[tenants.globex]\nplan = \"gold\"\n");
+        assert!(e.starts_with("cfg.toml:2: tenants.globex.plan: unknown plan \"gold\""), "{e}");
+
+        let e = err("\n\n[limits.tenant]\nburst = -5\n");
+        assert!(e.starts_with("cfg.toml:4: limits.tenant.burst must be"), "{e}");
+
+        let e = err("[server]\nlisten = \"127.0.0.1:9470\"\nmax_wiat = \"2s\"\n");
+        assert!(e.starts_with("cfg.toml:3: unknown field `max_wiat`"), "{e}");
+
+        let e = err("[limits.subject]\nrate = 5\n");
+        assert!(e.starts_with("cfg.toml:2: "), "{e}");
+
+        let e = err("[server\n");
+        assert!(e.starts_with("cfg.toml:1: "), "{e}");
+
+        let e = err("[server]\nmode = \"audit\"\n");
+        assert!(e.starts_with("cfg.toml:2: server.mode must be"), "{e}");
+
+        let e = err("[tools.x]\nburst = 3\n");
+        assert!(e.starts_with("cfg.toml:2: tools.x.burst is set but tools.x.rate is not"), "{e}");
+
+        let e = err("[limits.subject]\nconcurrency = 0\n");
+        assert!(e.starts_with("cfg.toml:2: limits.subject.concurrency must be a whole number"), "{e}");
+
+        let e = err("[server]\nmax_wait = \"2\"\n");
+        assert!(e.contains("cfg.toml:2: server.max_wait: invalid duration"), "{e}");
+
+        let e = err("[bogus]\nx = 1\n");
+        assert!(e.starts_with("cfg.toml:1: unknown field `bogus`"), "{e}");
+    }
+
+    #[test]
+    fn tool_rate_without_burst_gets_one_second_of_burst() {
+        let c = Config::parse("c", "[tools.t]\nrate = \"5/s\"\n[tools.u]\nrate = \"1/min\"\n").unwrap();
+        assert_eq!(c.tools["t"].bucket.unwrap().burst, 5.0);
+        assert_eq!(c.tools["u"].bucket.unwrap().burst, 1.0);
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("acme").is_ok());
+        assert!(check_name("").is_err());
+        assert!(check_name(&"x".repeat(129)).is_err());
+        assert!(check_name(&"x".repeat(128)).is_ok());
+        assert!(check_name("a\u{7}b").is_err());
+        assert!(check_name("ünïcødé").is_ok());
+    }
+
+    #[test]
+    fn load_reports_missing_file() {
+        let e = Config::load(Path::new("/nonexistent/admitd.toml")).unwrap_err().to_string();
+        assert!(e.starts_with("/nonexistent/admitd.toml: cannot read"), "{e}");
+    }
+}

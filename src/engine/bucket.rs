@@ -1,0 +1,342 @@
+//! Token buckets in GCRA form, with reservation, refund and staggered retry hints.
+//!
+//! A bucket is stored as its *theoretical arrival time* (`tat`): the monotonic instant at which it will be
+//! full again. With `T` the time one token takes to refill and `τ = burst·T`, taking `c` tokens at `now`
+//! moves `tat` to `max(tat, now) + c·T`, and fits when the new `tat` is at most `now + τ`. This is the
+//! generic cell rate algorithm: one integer of state, exact integer-nanosecond arithmetic, and a refund is
+//! a subtraction because reservations are additive.
+//!
+//! *Holding* is a reservation past `now + τ`: the caller is told to wait `tat' − now − τ` and the tokens
+//! are already its own, so holds queue up in FIFO order inside the bucket itself.
+//!
+//! The second word, `promised`, spreads retry hints. When a call is refused, it is promised the next
+//! free slot *after* every slot already promised to earlier refused calls, so N callers refused in the
+//! same instant hear N different waits, one refill apart. If each comes back when told, each finds its
+//! token instead of colliding with the others again (a plain bucket tells all of them the same wait).
+//!
+//! The parameters (rate and burst) are not stored: they are passed in on every call, so a config reload
+//! applies at once; [`Bucket::rescale`] keeps the number of missing tokens across a change of rate.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::clock::{Nanos, NS_PER_SEC};
+use crate::config::BucketSpec;
+
+/// Tolerance used when turning fractional tokens into whole tokens, so that rounding a refill interval
+/// to whole nanoseconds never shows 18.999… tokens as 18.
+const WHOLE_TOKEN_EPSILON: f64 = 1e-6;
+
+/// A bucket's parameters in nanoseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gcra {
+    /// Nanoseconds per token.
+    pub t: f64,
+    /// Bucket size in tokens.
+    pub burst: f64,
+    /// Nanoseconds to refill the whole bucket (`burst · t`).
+    pub tau: u64,
+}
+
+impl Gcra {
+    pub fn new(spec: BucketSpec) -> Self {
+        let t = NS_PER_SEC as f64 / spec.rate.per_sec;
+        Gcra { t, burst: spec.burst, tau: (t * spec.burst).round() as u64 }
+    }
+
+    /// The nanoseconds `cost` tokens take to refill.
+    pub fn increment(&self, cost: f64) -> u64 {
+        (cost * self.t).round().min(u64::MAX as f64 / 4.0) as u64
+    }
+
+    /// Whether `cost` is more than the bucket can ever hold.
+    pub fn oversized(&self, cost: f64) -> bool {
+        cost > self.burst + WHOLE_TOKEN_EPSILON
+    }
+
+    /// Seconds a full refill takes, rounded up (the `w` of `RateLimit-Policy`).
+    pub fn window_secs(&self) -> u64 {
+        self.tau.div_ceil(NS_PER_SEC).max(1)
+    }
+
+    /// Whole tokens in a bucket that is full at `tat`, seen at `now`.
+    fn whole_tokens(&self, tat: Nanos, now: Nanos) -> u64 {
+        let missing_ns = tat.saturating_sub(now) as f64;
+        let tokens = self.burst - missing_ns / self.t;
+        if tokens <= 0.0 {
+            0
+        } else {
+            (tokens + WHOLE_TOKEN_EPSILON).floor() as u64
+        }
+    }
+}
+
+/// What taking from a bucket did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    /// Taken; the caller must wait this many nanoseconds before proceeding (0: at once).
+    Ok { wait: u64 },
+    /// Not taken: the tokens would be there in this many nanoseconds, more than the caller may wait.
+    Short { shortfall: u64 },
+}
+
+/// Shortfall in nanoseconds when the bucket is full at `tat`.
+fn shortfall(tat: Nanos, now: Nanos, inc: u64, tau: u64) -> u64 {
+    (tat.max(now).saturating_add(inc)).saturating_sub(now.saturating_add(tau))
+}
+
+/// A single-owner bucket (inside a tenant actor).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bucket {
+    tat: Nanos,
+    promised: Nanos,
+}
+
+impl Bucket {
+    /// Takes `inc` nanoseconds of tokens if they are there within `max_wait` nanoseconds.
+    pub fn take(&mut self, g: &Gcra, now: Nanos, inc: u64, max_wait: u64) -> Take {
+        let short = shortfall(self.tat, now, inc, g.tau);
+        if short > max_wait {
+            return Take::Short { shortfall: short };
+        }
+        self.tat = self.tat.max(now).saturating_add(inc);
+        Take::Ok { wait: short }
+    }
+
+    /// The shortfall, in nanoseconds, of taking `inc` now (0 when it fits).
+    pub fn peek(&self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
+        shortfall(self.tat, now, inc, g.tau)
+    }
+
+    /// Gives back tokens taken earlier.
+    pub fn refund(&mut self, inc: u64) {
+        self.tat = self.tat.saturating_sub(inc);
+    }
+
+    /// Promises a refused call the next free slot after those already promised; returns the wait in ns.
+    pub fn promise(&mut self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
+        let slot = self.promised.max(self.tat).max(now).saturating_add(inc);
+        self.promised = slot;
+        slot.saturating_sub(now.saturating_add(g.tau))
+    }
+
+    /// Whole tokens left at `now`.
+    pub fn remaining(&self, g: &Gcra, now: Nanos) -> u64 {
+        g.whole_tokens(self.tat, now)
+    }
+
+    /// Nanoseconds until the bucket is full.
+    pub fn reset_ns(&self, now: Nanos) -> u64 {
+        self.tat.saturating_sub(now)
+    }
+
+    /// True when the bucket is full and owes no promises: it is then the same as a new bucket.
+    pub fn is_resting(&self, now: Nanos) -> bool {
+        self.tat <= now && self.promised <= now
+    }
+
+    /// Keeps the number of missing tokens when the parameters change from `old` to `new`.
+    pub fn rescale(&mut self, now: Nanos, old: &Gcra, new: &Gcra) {
+        self.tat = rescale_instant(self.tat, now, old, new);
+        self.promised = rescale_instant(self.promised, now, old, new);
+    }
+}
+
+fn rescale_instant(at: Nanos, now: Nanos, old: &Gcra, new: &Gcra) -> Nanos {
+    if at <= now || old == new {
+        return at;
+    }
+    let missing_tokens = (at - now) as f64 / old.t;
+    now.saturating_add((missing_tokens * new.t).round() as u64)
+}
+
+/// A bucket shared between threads (the global layer and shared upstreams): the same algorithm over
+/// atomics, so every tenant actor can take from it without a lock or a message hop.
+#[derive(Debug, Default)]
+pub struct AtomicBucket {
+    tat: AtomicU64,
+    promised: AtomicU64,
+}
+
+impl AtomicBucket {
+    pub fn take(&self, g: &Gcra, now: Nanos, inc: u64, max_wait: u64) -> Take {
+        let mut cur = self.tat.load(Ordering::Acquire);
+        loop {
+            let short = shortfall(cur, now, inc, g.tau);
+            if short > max_wait {
+                return Take::Short { shortfall: short };
+            }
+            let next = cur.max(now).saturating_add(inc);
+            match self.tat.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Take::Ok { wait: short },
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    pub fn peek(&self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
+        shortfall(self.tat.load(Ordering::Acquire), now, inc, g.tau)
+    }
+
+    pub fn refund(&self, inc: u64) {
+        let _ = self
+            .tat
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(t.saturating_sub(inc)));
+    }
+
+    pub fn promise(&self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
+        let tat = self.tat.load(Ordering::Acquire);
+        let prev = self
+            .promised
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                Some(p.max(tat).max(now).saturating_add(inc))
+            })
+            .unwrap_or(0);
+        let slot = prev.max(tat).max(now).saturating_add(inc);
+        slot.saturating_sub(now.saturating_add(g.tau))
+    }
+
+    pub fn remaining(&self, g: &Gcra, now: Nanos) -> u64 {
+        g.whole_tokens(self.tat.load(Ordering::Acquire), now)
+    }
+
+    pub fn reset_ns(&self, now: Nanos) -> u64 {
+        self.tat.load(Ordering::Acquire).saturating_sub(now)
+    }
+
+    pub fn rescale(&self, now: Nanos, old: &Gcra, new: &Gcra) {
+        let _ = self
+            .tat
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(rescale_instant(t, now, old, new)));
+        let _ = self
+            .promised
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(rescale_instant(t, now, old, new)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::NS_PER_MS;
+
+    fn g(per_sec: f64, burst: f64) -> Gcra {
+        Gcra::new(BucketSpec::new(per_sec, burst))
+    }
+
+    #[test]
+    fn full_bucket_gives_burst_then_refills_at_rate() {
+        let g = g(2.0, 20.0);
+        let mut b = Bucket::default();
+        let now = 10 * NS_PER_SEC;
+        let inc = g.increment(1.0);
+        for i in 0..20 {
+            assert_eq!(b.take(&g, now, inc, 0), Take::Ok { wait: 0 });
+            assert_eq!(b.remaining(&g, now), 19 - i);
+        }
+        assert_eq!(b.take(&g, now, inc, 0), Take::Short { shortfall: 500 * NS_PER_MS });
+        // half a second later exactly one token is back
+        let later = now + 500 * NS_PER_MS;
+        assert_eq!(b.remaining(&g, later), 1);
+        assert_eq!(b.take(&g, later, inc, 0), Take::Ok { wait: 0 });
+        assert_eq!(b.take(&g, later, inc, 0), Take::Short { shortfall: 500 * NS_PER_MS });
+        assert_eq!(b.reset_ns(later), 10 * NS_PER_SEC);
+    }
+
+    #[test]
+    fn a_hold_reserves_and_queues_in_order() {
+        let g = g(10.0, 1.0);
+        let mut b = Bucket::default();
+        let now = NS_PER_SEC;
+        let inc = g.increment(1.0);
+        assert_eq!(b.take(&g, now, inc, 0), Take::Ok { wait: 0 });
+        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Ok { wait: 100 * NS_PER_MS });
+        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Ok { wait: 200 * NS_PER_MS });
+        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Short { shortfall: 300 * NS_PER_MS });
+        // cancelling the last hold gives its slot to the next caller
+        b.refund(inc);
+        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Ok { wait: 200 * NS_PER_MS });
+    }
+
+    #[test]
+    fn refund_restores_exactly() {
+        let g = g(1.0, 5.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(3.0);
+        b.take(&g, 0, inc, 0);
+        assert_eq!(b.remaining(&g, 0), 2);
+        b.refund(inc);
+        assert_eq!(b.remaining(&g, 0), 5);
+        assert!(b.is_resting(0));
+    }
+
+    #[test]
+    fn promises_spread_refused_callers_one_refill_apart() {
+        let g = g(2.0, 20.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        for _ in 0..20 {
+            b.take(&g, 0, inc, 0);
+        }
+        let hints: Vec<u64> = (0..4).map(|_| b.promise(&g, 0, inc)).collect();
+        assert_eq!(hints, vec![500 * NS_PER_MS, 1000 * NS_PER_MS, 1500 * NS_PER_MS, 2000 * NS_PER_MS]);
+        assert!(!b.is_resting(0));
+        // once the promised slots have passed and the bucket refilled, it is at rest again
+        assert!(b.is_resting(12 * NS_PER_SEC));
+    }
+
+    #[test]
+    fn oversized_and_window() {
+        let g = g(5.0 / 60.0, 5.0);
+        assert!(g.oversized(5.5));
+        assert!(!g.oversized(5.0));
+        assert_eq!(g.window_secs(), 60);
+        assert_eq!(self::g(5000.0, 5000.0).window_secs(), 1);
+        assert_eq!(self::g(3.0, 1.0).window_secs(), 1);
+    }
+
+    #[test]
+    fn fractional_rates_keep_whole_tokens_exact() {
+        let g = g(3.0, 20.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        b.take(&g, 0, inc, 0);
+        assert_eq!(b.remaining(&g, 0), 19);
+        let g7 = self::g(7.0 / 60.0, 7.0);
+        let mut b = Bucket::default();
+        let inc = g7.increment(1.0);
+        for left in (0..7).rev() {
+            b.take(&g7, 0, inc, 0);
+            assert_eq!(b.remaining(&g7, 0), left);
+        }
+    }
+
+    #[test]
+    fn rescale_keeps_missing_tokens() {
+        let old = g(1.0, 10.0);
+        let new = g(2.0, 10.0);
+        let mut b = Bucket::default();
+        b.take(&old, 0, old.increment(4.0), 0);
+        assert_eq!(b.remaining(&old, 0), 6);
+        b.rescale(0, &old, &new);
+        assert_eq!(b.remaining(&new, 0), 6);
+        assert_eq!(b.reset_ns(0), 2 * NS_PER_SEC);
+    }
+
+    #[test]
+    fn atomic_bucket_matches_the_plain_one() {
+        let g = g(2.0, 20.0);
+        let a = AtomicBucket::default();
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        for step in 0..60u64 {
+            let now = step * 100 * NS_PER_MS;
+            let wait = if step % 3 == 0 { 300 * NS_PER_MS } else { 0 };
+            assert_eq!(a.take(&g, now, inc, wait), b.take(&g, now, inc, wait));
+            assert_eq!(a.remaining(&g, now), b.remaining(&g, now));
+            if step % 7 == 0 {
+                a.refund(inc);
+                b.refund(inc);
+            }
+            assert_eq!(a.promise(&g, now, inc), b.promise(&g, now, inc));
+        }
+    }
+}

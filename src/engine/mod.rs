@@ -1,0 +1,19 @@
+//! The pure admission engine: token buckets, concurrency, quotas, penalties and the decisions they make.
+//!
+//! Nothing in here knows about actors, HTTP or async runtimes. Time comes in as arguments (see
+//! [`crate::clock`]), so every rule is tested with a fake clock, instantly and exactly.
+
+pub mod bucket;
+pub mod refusal;
+pub mod retry_after;
+pub mod rng;
+pub mod shared;
+pub mod tenant;
+pub mod types;
+
+pub use shared::SharedBudgets;
+pub use tenant::{AdmitRequest, AdmitResult, ReleaseInfo, Released, TenantEngine, TenantSnapshot, UnknownLease};
+pub use types::*;
+
+#[cfg(test)]
+mod tests;

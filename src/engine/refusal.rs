@@ -1,0 +1,153 @@
+//! Refusals written for the model that made the call.
+//!
+//! A refused agent retries at once unless it is told, in words and numbers, how long to wait and what to
+//! do meanwhile. Every text here therefore says: what limit was hit (in plain words), the wait as a whole
+//! number of seconds (rounded up, never "soon"), that the arguments were fine, not to retry sooner, and a
+//! way forward (carry on with what it has, tell the user what is pending). It names no tenant, subject,
+//! host, address or key: only the tool and the logical upstream name the operator configured.
+
+use super::types::Scope;
+
+/// Context for the wording of one refusal.
+#[derive(Debug, Clone, Copy)]
+pub struct RefusalContext<'a> {
+    pub tool: &'a str,
+    pub upstream: Option<&'a str>,
+    /// The upstream's budget is shared by every account.
+    pub shared_upstream: bool,
+    pub cost: f64,
+    /// The size of the limit the call did not fit (for `oversized`).
+    pub limit: f64,
+}
+
+/// Whole seconds, rounded up, of a wait in milliseconds (at least 1 for any non-zero wait).
+pub fn whole_seconds(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+fn seconds(n: u64) -> String {
+    if n == 1 {
+        "1 second".to_string()
+    } else {
+        format!("{n} seconds")
+    }
+}
+
+const FORWARD: &str = "Meanwhile, continue with the results you already have, or tell the user that this step is pending.";
+
+/// The short operator-facing reason for a scope.
+pub fn reason(scope: Scope) -> &'static str {
+    match scope {
+        Scope::Subject | Scope::SubjectTool | Scope::Tenant | Scope::TenantUpstream | Scope::Global => {
+            "rate limit reached"
+        }
+        Scope::Concurrency => "too many calls in flight",
+        Scope::DailyQuota => "daily quota used up",
+        Scope::UpstreamPenalty => "upstream asked to slow down",
+        Scope::Adaptive => "upstream is rejecting requests",
+        Scope::Oversized => "call larger than the limit",
+    }
+}
+
+/// The text the model reads.
+pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> String {
+    let wait = seconds(whole_seconds(retry_after_ms).max(1));
+    let retry = format!(
+        "Wait {wait}, then retry this call with the same arguments; the arguments are fine. Do not retry sooner."
+    );
+    let up = cx.upstream.unwrap_or("upstream");
+    match scope {
+        Scope::Subject => format!(
+            "Rate limited: this agent has made too many tool calls in a short time. {retry} {FORWARD}"
+        ),
+        Scope::SubjectTool => format!(
+            "Rate limited: the {} tool has been called too often by this agent. {retry} Other tools are not affected. {FORWARD}",
+            cx.tool
+        ),
+        Scope::Tenant => format!(
+            "Rate limited by the overall tool-call quota for this account. {retry} {FORWARD}"
+        ),
+        Scope::TenantUpstream if cx.shared_upstream => format!(
+            "Rate limited by the {up} quota, which all accounts share. {retry} Other tools that use {up} share this quota. {FORWARD}"
+        ),
+        Scope::TenantUpstream => format!(
+            "Rate limited by the {up} quota for this account. {retry} Other tools that use {up} share this quota. {FORWARD}"
+        ),
+        Scope::Global => format!(
+            "The tool service is handling too many calls overall right now. {retry} {FORWARD}"
+        ),
+        Scope::Concurrency => format!(
+            "Too many tool calls from this agent are running at the same time. {retry} Start fewer calls in parallel. {FORWARD}"
+        ),
+        Scope::DailyQuota => format!(
+            "The daily tool quota for this account is used up; it resets at midnight UTC, in {wait}. Retrying before then will not help. Tell the user that this step must wait until the quota resets, and continue with the results you already have."
+        ),
+        Scope::UpstreamPenalty => format!(
+            "The {up} service asked for calls to slow down. {retry} Other tools that use {up} are paused too. {FORWARD}"
+        ),
+        Scope::Adaptive => format!(
+            "The {up} service is rejecting many requests right now, so this call was not sent. {retry} {FORWARD}"
+        ),
+        Scope::Oversized => format!(
+            "This call is too large to ever fit its limit (it costs {} units; the limit is {}). Waiting will not help and retrying it unchanged will fail again. Make the request smaller, for example ask for fewer items or a narrower range, or tell the user it cannot be done in one call.",
+            trim_number(cx.cost),
+            trim_number(cx.limit)
+        ),
+    }
+}
+
+fn trim_number(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{}", x as i64)
+    } else {
+        format!("{x:.2}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cx() -> RefusalContext<'static> {
+        RefusalContext { tool: "get_sales", upstream: Some("warehouse"), shared_upstream: false, cost: 1.0, limit: 20.0 }
+    }
+
+    #[test]
+    fn every_retryable_text_gives_whole_seconds_and_a_way_forward() {
+        for scope in Scope::ALL {
+            if scope == Scope::Oversized {
+                continue;
+            }
+            let m = message(scope, 3_001, &cx());
+            assert!(m.contains("4 seconds"), "{scope:?}: {m}");
+            assert!(!m.contains("3.0"), "{m}");
+            if scope != Scope::DailyQuota {
+                assert!(m.contains("same arguments; the arguments are fine"), "{m}");
+                assert!(m.contains("Do not retry sooner"), "{m}");
+            }
+            assert!(m.contains("continue with the results you already have"), "{m}");
+        }
+    }
+
+    #[test]
+    fn the_upstream_text_matches_the_contract_example() {
+        let m = message(Scope::TenantUpstream, 4000, &cx());
+        assert!(m.starts_with("Rate limited by the warehouse quota for this account. Wait 4 seconds"), "{m}");
+        assert!(m.contains("Other tools that use warehouse share this quota."));
+    }
+
+    #[test]
+    fn oversized_says_make_it_smaller_not_wait() {
+        let m = message(Scope::Oversized, 0, &RefusalContext { cost: 50.0, ..cx() });
+        assert!(m.contains("costs 50 units; the limit is 20"), "{m}");
+        assert!(m.contains("Waiting will not help"));
+        assert!(m.contains("smaller"));
+    }
+
+    #[test]
+    fn sub_second_waits_round_up_to_one_second() {
+        assert!(message(Scope::Subject, 1, &cx()).contains("Wait 1 second,"));
+        assert_eq!(whole_seconds(1000), 1);
+        assert_eq!(whole_seconds(1001), 2);
+    }
+}

@@ -1,0 +1,59 @@
+//! Parsing of an upstream's `Retry-After` value (RFC 9110 §10.2.3).
+//!
+//! It is either delay-seconds (a non-negative integer) or an HTTP-date (the IMF-fixdate form, or the two
+//! obsolete forms RFC 9110 still requires recipients to accept). A date is turned into a delay against
+//! the wall clock at the time it is reported; the engine then keeps it on the monotonic clock.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+/// The longest penalty admitted from one upstream answer; a bigger value is clamped, not trusted.
+pub const MAX_PENALTY: Duration = Duration::from_secs(24 * 3600);
+
+/// Parses `value` into a delay from `wall_ms`. Dates in the past give a zero delay.
+pub fn parse_retry_after(value: &str, wall_ms: i64) -> Result<Duration, String> {
+    let v = value.trim();
+    if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        let secs: u64 = v.parse().unwrap_or(u64::MAX);
+        return Ok(Duration::from_secs(secs).min(MAX_PENALTY));
+    }
+    match httpdate::parse_http_date(v) {
+        Ok(at) => {
+            let at_ms = at.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+            let delay_ms = at_ms.saturating_sub(wall_ms).max(0) as u64;
+            Ok(Duration::from_millis(delay_ms).min(MAX_PENALTY))
+        }
+        Err(_) => Err(format!(
+            "retry_after {value:?} is neither delay-seconds (\"30\") nor an HTTP-date (\"Wed, 21 Oct 2026 07:28:00 GMT\")"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // 2026-10-21T07:27:30Z
+    const NOW: i64 = 1_792_567_650_000;
+
+    #[test]
+    fn delay_seconds() {
+        assert_eq!(parse_retry_after("30", NOW).unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_retry_after(" 0 ", NOW).unwrap(), Duration::ZERO);
+        assert_eq!(parse_retry_after("99999999999999999999999", NOW).unwrap(), MAX_PENALTY);
+    }
+
+    #[test]
+    fn http_dates_in_all_three_forms() {
+        for v in ["Wed, 21 Oct 2026 07:28:00 GMT", "Wednesday, 21-Oct-26 07:28:00 GMT", "Wed Oct 21 07:28:00 2026"] {
+            assert_eq!(parse_retry_after(v, NOW).unwrap(), Duration::from_secs(30), "{v}");
+        }
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2026 07:00:00 GMT", NOW).unwrap(), Duration::ZERO);
+    }
+
+    #[test]
+    fn garbage_is_an_error() {
+        for v in ["soon", "-5", "1.5", "", "Wed, 32 Oct 2026 07:28:00 GMT"] {
+            assert!(parse_retry_after(v, NOW).is_err(), "{v}");
+        }
+    }
+}

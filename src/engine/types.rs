@@ -1,0 +1,183 @@
+//! The vocabulary of admission decisions, shared by the engine, the actors, the HTTP layer and telemetry.
+
+use std::sync::Arc;
+
+use crate::config::Mode;
+
+/// Why a call was refused (the `scope` of API.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scope {
+    Subject,
+    SubjectTool,
+    Tenant,
+    TenantUpstream,
+    Global,
+    Concurrency,
+    DailyQuota,
+    UpstreamPenalty,
+    Adaptive,
+    Oversized,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 10] = [
+        Scope::Subject,
+        Scope::SubjectTool,
+        Scope::Tenant,
+        Scope::TenantUpstream,
+        Scope::Global,
+        Scope::Concurrency,
+        Scope::DailyQuota,
+        Scope::UpstreamPenalty,
+        Scope::Adaptive,
+        Scope::Oversized,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Subject => "subject",
+            Scope::SubjectTool => "subject_tool",
+            Scope::Tenant => "tenant",
+            Scope::TenantUpstream => "tenant_upstream",
+            Scope::Global => "global",
+            Scope::Concurrency => "concurrency",
+            Scope::DailyQuota => "daily_quota",
+            Scope::UpstreamPenalty => "upstream_penalty",
+            Scope::Adaptive => "adaptive",
+            Scope::Oversized => "oversized",
+        }
+    }
+}
+
+/// A token-bucket layer, in the order the engine checks them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Layer {
+    Subject,
+    SubjectTool,
+    Tenant,
+    TenantUpstream,
+    Global,
+}
+
+impl Layer {
+    pub fn as_str(self) -> &'static str {
+        self.scope().as_str()
+    }
+
+    pub fn scope(self) -> Scope {
+        match self {
+            Layer::Subject => Scope::Subject,
+            Layer::SubjectTool => Scope::SubjectTool,
+            Layer::Tenant => Scope::Tenant,
+            Layer::TenantUpstream => Scope::TenantUpstream,
+            Layer::Global => Scope::Global,
+        }
+    }
+}
+
+/// One bucket layer that applied to a call: its shape (for `RateLimit-Policy`) and its state after the
+/// decision (for `RateLimit` and the `remaining`/`limit`/`reset_ms` fields).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerState {
+    pub layer: Layer,
+    /// Burst, the `q` of the policy.
+    pub burst: f64,
+    /// Seconds a full refill takes, rounded up (`w`).
+    pub window_secs: u64,
+    /// Whole tokens left.
+    pub remaining: u64,
+    /// Nanoseconds until full again.
+    pub reset_ns: u64,
+}
+
+/// What a call resolved to once tool defaults were applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    pub subject: Arc<str>,
+    pub tool: Arc<str>,
+    pub upstream: Option<Arc<str>>,
+    pub cost: f64,
+}
+
+/// A refusal.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shed {
+    pub scope: Scope,
+    /// When to retry, in milliseconds (0 when not retryable).
+    pub retry_after_ms: u64,
+    pub retryable: bool,
+    /// A short reason for operators and the JSON body.
+    pub reason: String,
+    /// Text for the model (the MCP tool result).
+    pub message: String,
+}
+
+/// An admission.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admitted {
+    /// The lease's number inside this tenant (the HTTP layer adds the tenant to make the lease id).
+    pub lease: u64,
+    /// Nanoseconds the caller must still hold before running the tool.
+    pub hold_ns: u64,
+    /// Nanoseconds the call already spent queued for a concurrency slot.
+    pub queued_ns: u64,
+    pub mode: Mode,
+    /// In shadow mode, the refusal that enforce mode would have given.
+    pub would_shed: Option<Shed>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Admitted(Admitted),
+    Shed(Shed),
+}
+
+/// A decision with everything the HTTP layer and telemetry need to report it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub verdict: Verdict,
+    pub resolved: Resolved,
+    /// Every bucket layer that applied, in check order.
+    pub layers: Vec<LayerState>,
+}
+
+impl Decision {
+    /// The tightest layer: the fewest whole tokens left (ties go to the earlier layer).
+    pub fn tightest(&self) -> Option<&LayerState> {
+        self.layers.iter().reduce(|best, l| if l.remaining < best.remaining { l } else { best })
+    }
+
+    pub fn is_admitted(&self) -> bool {
+        matches!(self.verdict, Verdict::Admitted(_))
+    }
+}
+
+/// How a tool call ended, as reported on release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    Error,
+    UpstreamRateLimited,
+    Cancelled,
+}
+
+impl Outcome {
+    pub fn parse(s: &str) -> Option<Outcome> {
+        Some(match s {
+            "ok" => Outcome::Ok,
+            "error" => Outcome::Error,
+            "upstream_rate_limited" => Outcome::UpstreamRateLimited,
+            "cancelled" => Outcome::Cancelled,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+            Outcome::UpstreamRateLimited => "upstream_rate_limited",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! admitd: admission control for MCP tool servers.
+//!
+//! An MCP server asks admitd before it runs a tool (`POST /v1/admit`) and tells it afterwards what
+//! happened (`POST /v1/release`). admitd keeps per-subject, per-tool, per-tenant, per-upstream and global
+//! budgets, concurrency caps and daily quotas, holds calls briefly when capacity frees soon, and refuses
+//! the rest with a retry time and a message the model can act on.
+//!
+//! Layout: [`engine`] is the pure decision logic; [`actors`] runs one engine per tenant inside an actix
+//! actor; [`api`] is the warp HTTP layer; [`config`] reads the TOML file; [`telemetry`] turns decisions
+//! into metrics, spans, logs and alerts; [`cli`] is the command line.
+
+pub mod clock;
+pub mod config;
+pub mod engine;
