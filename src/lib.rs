@@ -12,3 +12,8 @@
 pub mod clock;
 pub mod config;
 pub mod engine;
+pub mod actors;
+pub mod telemetry;
+pub mod api;
+pub mod cli;
+pub mod server;

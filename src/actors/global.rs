@@ -1,0 +1,50 @@
+//! The global actor: owner of the cross-tenant budgets' lifecycle and of config reloads.
+//!
+//! Reloads go through this one actor so two of them (an HTTP reload and a SIGHUP at once) are applied in
+//! order, each rescaling the global and shared-upstream buckets from the config it replaces. It also
+//! samples the cross-tenant gauges once a second. It is deliberately *not* on the decision path.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+
+use super::Shared;
+use crate::config::Config;
+use crate::telemetry::TenantEvent;
+
+pub struct GlobalActor {
+    shared: Arc<Shared>,
+}
+
+impl GlobalActor {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        GlobalActor { shared }
+    }
+}
+
+impl Actor for GlobalActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(Duration::from_secs(1), |act, _| {
+            act.shared.telemetry.tenant_event(TenantEvent::Global { tenants: act.shared.tenant_count() });
+        });
+    }
+}
+
+/// Swap in a new, already validated config.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Reconfigure(pub Config);
+
+impl Handler<Reconfigure> for GlobalActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Reconfigure, _: &mut Context<Self>) {
+        let now = self.shared.clock.mono();
+        let old = self.shared.config.load_full();
+        self.shared.budgets.reconfigure(&old, &msg.0, now);
+        self.shared.config.store(Arc::new(msg.0));
+    }
+}

@@ -1,0 +1,186 @@
+//! The actor layer: where tenants live and how calls reach them.
+//!
+//! [`Shared`] is the daemon's state that every part reads: the current config (swapped atomically on
+//! reload), the cross-tenant budgets, the clock and the telemetry handle. It also holds the tenant
+//! registry: a sharded map from tenant name to the address of its [`TenantActor`], created on first use
+//! on one of a fixed set of arbiters (chosen by hashing the tenant name) and removed by the actor itself
+//! when it goes idle.
+//!
+//! The [`GlobalActor`] owns the global and shared-upstream budgets' lifecycle: it applies reloads to
+//! them and reports their gauges. Decisions do not hop through it: those budgets are atomics every
+//! tenant actor updates directly (see [`crate::engine::shared`] for why).
+
+pub mod global;
+pub mod tenant;
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix::ArbiterHandle;
+use arc_swap::ArcSwap;
+use parking_lot::RwLock;
+
+pub use global::GlobalActor;
+pub use tenant::{Admit, AdmitReply, CancelLease, CancelWaiter, Feedback, Release, Snapshot, TenantActor};
+
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::engine::SharedBudgets;
+use crate::telemetry::Telemetry;
+
+const SHARDS: usize = 16;
+
+/// How long a request waits for a tenant actor's answer before it is answered 503.
+pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
+
+type Entry = (u64, Addr<TenantActor>);
+
+/// State every part of the daemon shares. Cheap to reach through an `Arc`.
+pub struct Shared {
+    pub config: ArcSwap<Config>,
+    pub budgets: Arc<SharedBudgets>,
+    pub clock: Arc<dyn Clock>,
+    pub telemetry: Telemetry,
+    /// Per-process random seed (lease numbers, jitter).
+    pub seed: u64,
+    arbiters: Vec<ArbiterHandle>,
+    shards: Vec<RwLock<HashMap<Arc<str>, Entry>>>,
+    next_generation: AtomicU64,
+}
+
+/// Why a tenant actor could not answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AskError {
+    /// The actor did not answer in time (overload or a bug); the call should be retried.
+    Timeout,
+    /// The actor kept stopping under us; should not happen more than once in a row.
+    Unavailable,
+}
+
+impl Shared {
+    pub fn new(config: Config, clock: Arc<dyn Clock>, telemetry: Telemetry, arbiters: Vec<ArbiterHandle>) -> Arc<Self> {
+        assert!(!arbiters.is_empty(), "at least one arbiter");
+        let budgets = Arc::new(SharedBudgets::new(&config));
+        let seed = {
+            let mut h = DefaultHasher::new();
+            std::time::SystemTime::now().hash(&mut h);
+            std::process::id().hash(&mut h);
+            h.finish()
+        };
+        Arc::new(Shared {
+            config: ArcSwap::from_pointee(config),
+            budgets,
+            clock,
+            telemetry,
+            seed,
+            arbiters,
+            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            next_generation: AtomicU64::new(1),
+        })
+    }
+
+    fn hash(tenant: &str) -> u64 {
+        let mut h = DefaultHasher::new();
+        tenant.hash(&mut h);
+        h.finish()
+    }
+
+    fn shard(&self, tenant: &str) -> &RwLock<HashMap<Arc<str>, Entry>> {
+        &self.shards[(Self::hash(tenant) as usize) % SHARDS]
+    }
+
+    /// The tenant's actor, if it is running.
+    pub fn tenant(&self, tenant: &str) -> Option<Addr<TenantActor>> {
+        self.shard(tenant).read().get(tenant).map(|(_, a)| a.clone())
+    }
+
+    /// The tenant's actor, started on its arbiter if it is not running.
+    pub fn tenant_or_start(self: &Arc<Self>, tenant: &str) -> Addr<TenantActor> {
+        if let Some(a) = self.tenant(tenant) {
+            return a;
+        }
+        let mut map = self.shard(tenant).write();
+        if let Some((_, a)) = map.get(tenant) {
+            return a.clone();
+        }
+        let name: Arc<str> = Arc::from(tenant);
+        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        let arbiter = &self.arbiters[(Self::hash(tenant) >> 32) as usize % self.arbiters.len()];
+        let shared = Arc::clone(self);
+        let n = name.clone();
+        let addr = TenantActor::start_in_arbiter(arbiter, move |_| TenantActor::new(n, shared, generation));
+        map.insert(name, (generation, addr.clone()));
+        addr
+    }
+
+    /// Removes a tenant's entry if it is still the given generation of actor.
+    pub(crate) fn registry_remove(&self, tenant: &str, generation: u64) {
+        let mut map = self.shard(tenant).write();
+        if map.get(tenant).is_some_and(|(g, _)| *g == generation) {
+            map.remove(tenant);
+        }
+    }
+
+    /// Number of live tenant actors.
+    pub fn tenant_count(&self) -> usize {
+        self.shards.iter().map(|s| s.read().len()).sum()
+    }
+
+    /// Sends `msg` to the tenant's actor (starting it if needed), retrying on an actor that stopped
+    /// between lookup and delivery: it removed itself from the registry first, so the retry starts a
+    /// fresh one. State is never lost this way because an actor only stops when its state is at rest.
+    pub async fn ask<M>(self: &Arc<Self>, tenant: &str, msg: M) -> Result<M::Result, AskError>
+    where
+        M: Message + Send + Clone + 'static,
+        M::Result: Send,
+        TenantActor: Handler<M>,
+    {
+        for _ in 0..4 {
+            let addr = self.tenant_or_start(tenant);
+            match addr.send(msg.clone()).timeout(ASK_TIMEOUT).await {
+                Ok(r) => return Ok(r),
+                Err(MailboxError::Timeout) => return Err(AskError::Timeout),
+                Err(MailboxError::Closed) => {
+                    // The actor stopped; make sure its stale entry is gone before retrying.
+                    let mut map = self.shard(tenant).write();
+                    if map.get(tenant).is_some_and(|(_, a)| *a == addr) {
+                        map.remove(tenant);
+                    }
+                }
+            }
+        }
+        Err(AskError::Unavailable)
+    }
+
+    /// Like [`Shared::ask`] but only to a running actor: `Ok(None)` when the tenant has none.
+    pub async fn ask_existing<M>(&self, tenant: &str, msg: M) -> Result<Option<M::Result>, AskError>
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        TenantActor: Handler<M>,
+    {
+        let Some(addr) = self.tenant(tenant) else { return Ok(None) };
+        match addr.send(msg).timeout(ASK_TIMEOUT).await {
+            Ok(r) => Ok(Some(r)),
+            Err(MailboxError::Timeout) => Err(AskError::Timeout),
+            Err(MailboxError::Closed) => Ok(None),
+        }
+    }
+
+    /// Fire-and-forget to a running actor.
+    pub fn tell_existing<M>(&self, tenant: &str, msg: M)
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        TenantActor: Handler<M>,
+    {
+        if let Some(addr) = self.tenant(tenant) {
+            addr.do_send(msg);
+        }
+    }
+}

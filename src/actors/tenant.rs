@@ -1,0 +1,232 @@
+//! The tenant actor: one per tenant, owning that tenant's [`TenantEngine`].
+//!
+//! Every handler is synchronous: it reads the clock, runs the engine and answers. Nothing awaits while
+//! holding state, so a decision never waits on another tenant, on the network or on telemetry. Calls that
+//! must wait for a concurrency slot are answered with a oneshot receiver; the actor completes it when a
+//! slot frees (release, cancellation, lease expiry) or the deadline passes (a timer per waiter). A call
+//! whose receiver is gone by then gets everything it took handed back at once.
+//!
+//! The actor stops itself once its state is back at rest and it has been idle for `idle_ttl`, removing
+//! itself from the registry first, so memory follows the set of tenants that are actually active.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use super::Shared;
+use crate::clock::Nanos;
+use crate::engine::{AdmitRequest, AdmitResult, Decision, ReleaseInfo, TenantEngine, TenantSnapshot, UnknownLease, Verdict};
+use crate::telemetry::TenantEvent;
+
+/// How often leases are expired and idleness is checked.
+const TICK: Duration = Duration::from_millis(500);
+/// How often resting per-subject state is pruned.
+const PRUNE_EVERY_TICKS: u32 = 10;
+
+pub struct TenantActor {
+    engine: TenantEngine,
+    shared: Arc<Shared>,
+    generation: u64,
+    waiters: HashMap<u64, oneshot::Sender<Decision>>,
+    ticks: u32,
+}
+
+impl TenantActor {
+    pub fn new(tenant: Arc<str>, shared: Arc<Shared>, generation: u64) -> Self {
+        let cfg = shared.config.load_full();
+        let seed = shared.seed ^ generation.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let engine = TenantEngine::new(tenant, cfg, shared.budgets.clone(), seed);
+        TenantActor { engine, shared, generation, waiters: HashMap::new(), ticks: 0 }
+    }
+
+    /// The clock, after making sure the engine runs on the current config.
+    fn now(&mut self) -> (Nanos, i64) {
+        let now = self.shared.clock.mono();
+        let cfg = self.shared.config.load();
+        if !Arc::ptr_eq(&cfg, self.engine.config()) {
+            self.engine.set_config(Arc::clone(&cfg), now);
+        }
+        (now, self.shared.clock.wall_ms())
+    }
+
+    /// Hands decisions to queued callers. A caller that has gone away gets its lease cancelled, which may
+    /// in turn let the next queued call in.
+    fn deliver(&mut self, mut granted: Vec<(u64, Decision)>) {
+        while let Some((id, decision)) = granted.pop() {
+            let Some(tx) = self.waiters.remove(&id) else { continue };
+            if let Err(decision) = tx.send(decision) {
+                if let Verdict::Admitted(a) = &decision.verdict {
+                    let (now, wall) = self.now();
+                    if let Ok(more) = self.engine.cancel_lease(a.lease, now, wall) {
+                        granted.extend(more);
+                    }
+                }
+            }
+        }
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        let (now, wall) = self.now();
+        let (expired, granted) = self.engine.expire_leases(now, wall);
+        for (subject, tool, upstream) in expired {
+            self.shared.telemetry.tenant_event(TenantEvent::LeaseExpired {
+                tenant: self.engine.tenant().clone(),
+                subject,
+                tool,
+                upstream,
+            });
+        }
+        self.deliver(granted);
+        self.ticks = self.ticks.wrapping_add(1);
+        if self.ticks % PRUNE_EVERY_TICKS == 0 {
+            self.engine.prune(now, wall);
+        }
+        self.shared.telemetry.tenant_event(TenantEvent::Gauges {
+            tenant: self.engine.tenant().clone(),
+            inflight: self.engine.inflight(),
+        });
+        let idle_ttl = self.engine.config().server.idle_ttl.as_nanos() as u64;
+        if now.saturating_sub(self.engine.last_active()) >= idle_ttl && self.engine.is_at_rest(now, wall) {
+            self.shared.registry_remove(self.engine.tenant(), self.generation);
+            self.shared.telemetry.tenant_event(TenantEvent::Gauges { tenant: self.engine.tenant().clone(), inflight: 0 });
+            ctx.stop();
+        }
+    }
+}
+
+impl Actor for TenantActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Bursts of parallel calls for one tenant are normal (agent fan-out); let them queue here rather
+        // than make every sender wait for mailbox space.
+        ctx.set_mailbox_capacity(4096);
+        ctx.run_interval(TICK, |act, ctx| act.tick(ctx));
+    }
+}
+
+/// Admit a call (see [`TenantEngine::admit`]).
+#[derive(Message, Clone)]
+#[rtype(result = "AdmitReply")]
+pub struct Admit(pub AdmitRequest);
+
+/// The answer to [`Admit`].
+pub enum AdmitReply {
+    Decided(Decision),
+    /// Waiting for a concurrency slot: the decision arrives on the receiver.
+    Queued { waiter: u64, rx: oneshot::Receiver<Decision> },
+}
+
+impl<A: Actor, M: Message<Result = AdmitReply>> actix::dev::MessageResponse<A, M> for AdmitReply {
+    fn handle(self, _: &mut A::Context, tx: Option<actix::dev::OneshotSender<M::Result>>) {
+        if let Some(tx) = tx {
+            let _ = tx.send(self);
+        }
+    }
+}
+
+impl Handler<Admit> for TenantActor {
+    type Result = AdmitReply;
+
+    fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) -> AdmitReply {
+        let (now, wall) = self.now();
+        match self.engine.admit(&msg.0, now, wall) {
+            AdmitResult::Decided(d) => AdmitReply::Decided(d),
+            AdmitResult::Queued { waiter, deadline } => {
+                let (tx, rx) = oneshot::channel();
+                self.waiters.insert(waiter, tx);
+                ctx.run_later(Duration::from_nanos(deadline.saturating_sub(now)), |act, _| {
+                    let (now, _) = act.now();
+                    let expired = act.engine.expire_waiters(now);
+                    act.deliver(expired);
+                });
+                AdmitReply::Queued { waiter, rx }
+            }
+        }
+    }
+}
+
+/// End a lease.
+#[derive(Message, Clone)]
+#[rtype(result = "Result<crate::engine::Released, UnknownLease>")]
+pub struct Release {
+    pub lease: u64,
+    pub info: ReleaseInfo,
+}
+
+impl Handler<Release> for TenantActor {
+    type Result = Result<crate::engine::Released, UnknownLease>;
+
+    fn handle(&mut self, msg: Release, _: &mut Context<Self>) -> Self::Result {
+        let (now, wall) = self.now();
+        let mut released = self.engine.release(msg.lease, &msg.info, now, wall)?;
+        let granted = std::mem::take(&mut released.granted);
+        self.deliver(granted);
+        Ok(released)
+    }
+}
+
+/// Give back what a held call took: its caller went away during the hold.
+#[derive(Message, Clone)]
+#[rtype(result = "()")]
+pub struct CancelLease(pub u64);
+
+impl Handler<CancelLease> for TenantActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: CancelLease, _: &mut Context<Self>) {
+        let (now, wall) = self.now();
+        if let Ok(granted) = self.engine.cancel_lease(msg.0, now, wall) {
+            self.deliver(granted);
+        }
+    }
+}
+
+/// Drop a queued call whose caller went away.
+#[derive(Message, Clone)]
+#[rtype(result = "()")]
+pub struct CancelWaiter(pub u64);
+
+impl Handler<CancelWaiter> for TenantActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: CancelWaiter, _: &mut Context<Self>) {
+        self.engine.cancel_waiter(msg.0);
+        self.waiters.remove(&msg.0);
+    }
+}
+
+/// An upstream answer seen outside a lease.
+#[derive(Message, Clone)]
+#[rtype(result = "Option<Duration>")]
+pub struct Feedback {
+    pub upstream: Arc<str>,
+    pub status: u16,
+    pub retry_after: Option<Duration>,
+}
+
+impl Handler<Feedback> for TenantActor {
+    type Result = Option<Duration>;
+
+    fn handle(&mut self, msg: Feedback, _: &mut Context<Self>) -> Self::Result {
+        let (now, _) = self.now();
+        self.engine.feedback(&msg.upstream, msg.status, msg.retry_after, now)
+    }
+}
+
+/// The tenant's state as JSON-ready data; `None` when it holds no state.
+#[derive(Message, Clone)]
+#[rtype(result = "Option<TenantSnapshot>")]
+pub struct Snapshot;
+
+impl Handler<Snapshot> for TenantActor {
+    type Result = Option<TenantSnapshot>;
+
+    fn handle(&mut self, _: Snapshot, _: &mut Context<Self>) -> Self::Result {
+        let (now, wall) = self.now();
+        self.engine.has_state(now, wall).then(|| self.engine.snapshot(now, wall))
+    }
+}

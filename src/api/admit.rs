@@ -1,0 +1,348 @@
+//! `POST /v1/admit`: validation, the ask to the tenant actor, holding, and the answer.
+//!
+//! Holding happens here, in the request's own task, never in the actor: the actor has already reserved
+//! the tokens (or queued the call for a slot), and this task sleeps until the reservation is due. A drop
+//! guard returns the reservation or the queue place if the caller disconnects meanwhile (hyper drops the
+//! request future when its connection closes), so an abandoned call spends nothing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use warp::http::{HeaderMap, HeaderValue, StatusCode};
+use warp::reply::Response;
+
+use super::error::ApiError;
+use super::{body, json, lease, name_field, App};
+use crate::actors::{Admit, AdmitReply, CancelLease, CancelWaiter, Shared};
+use crate::clock::{ceil_ms, ceil_secs};
+use crate::config::Mode;
+use crate::engine::refusal::whole_seconds;
+use crate::engine::{AdmitRequest, Decision, LayerState, Shed, Verdict};
+use crate::telemetry::{DecisionEvent, DecisionKind};
+
+#[derive(Deserialize)]
+struct AdmitBody {
+    tenant: String,
+    subject: String,
+    tool: String,
+    #[serde(default)]
+    upstream: Option<String>,
+    #[serde(default)]
+    cost: Option<f64>,
+    #[serde(default)]
+    max_wait_ms: Option<f64>,
+    #[serde(default)]
+    call_id: Option<String>,
+}
+
+/// Returns what a held call took if its request is dropped before the hold ends.
+struct HoldGuard<'a> {
+    shared: &'a Arc<Shared>,
+    tenant: &'a str,
+    lease: Option<u64>,
+    waiter: Option<u64>,
+}
+
+impl Drop for HoldGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.waiter.take() {
+            self.shared.tell_existing(self.tenant, CancelWaiter(w));
+        }
+        if let Some(l) = self.lease.take() {
+            self.shared.tell_existing(self.tenant, CancelLease(l));
+        }
+    }
+}
+
+pub async fn admit(app: &Arc<App>, headers: &HeaderMap, bytes: bytes::BytesMut) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let start_unix_ns = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let b: AdmitBody = body::parse_json(&bytes)?;
+    name_field("tenant", &b.tenant)?;
+    name_field("subject", &b.subject)?;
+    name_field("tool", &b.tool)?;
+    if let Some(u) = &b.upstream {
+        name_field("upstream", u)?;
+    }
+    if let Some(c) = &b.call_id {
+        name_field("call_id", c)?;
+    }
+    if let Some(cost) = b.cost {
+        if !(cost.is_finite() && cost > 0.0) {
+            return Err(ApiError::invalid(format!("cost {cost} must be a positive number")));
+        }
+    }
+    let shared = &app.shared;
+    let cfg = shared.config.load();
+    let server_cap = cfg.server.max_wait.as_nanos() as u64;
+    let max_wait_ns = match b.max_wait_ms {
+        Some(ms) if ms.is_finite() && ms >= 0.0 => ((ms * 1e6) as u64).min(server_cap),
+        Some(ms) => return Err(ApiError::invalid(format!("max_wait_ms {ms} must be a non-negative number"))),
+        None => server_cap,
+    };
+    let shadow = cfg.server.mode == Mode::Shadow;
+    drop(cfg);
+
+    let req = AdmitRequest {
+        subject: Arc::from(b.subject.as_str()),
+        tool: Arc::from(b.tool.as_str()),
+        upstream: b.upstream.as_deref().map(Arc::from),
+        cost: b.cost,
+        max_wait_ns,
+    };
+    let tenant = b.tenant.as_str();
+    let mut guard = HoldGuard { shared, tenant, lease: None, waiter: None };
+    let reply = shared.ask(tenant, Admit(req)).await?;
+    // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
+    let decision_ns = started.elapsed().as_nanos() as u64;
+    let decision = match reply {
+        AdmitReply::Decided(d) => d,
+        AdmitReply::Queued { waiter, mut rx } => {
+            guard.waiter = Some(waiter);
+            // The actor answers by the deadline; the slack only guards against a lost answer.
+            let slack = Duration::from_nanos(max_wait_ns) + Duration::from_secs(2);
+            let d = match tokio::time::timeout(slack, &mut rx).await {
+                Ok(Ok(d)) => d,
+                _ => {
+                    rx.close();
+                    match rx.try_recv() {
+                        Ok(d) => d,
+                        Err(_) => return Err(ApiError::unavailable("the tenant's queue did not answer in time; retry the request")),
+                    }
+                }
+            };
+            guard.waiter = None;
+            d
+        }
+    };
+    if let Verdict::Admitted(a) = &decision.verdict {
+        if a.hold_ns > 0 && !shadow {
+            guard.lease = Some(a.lease);
+            tokio::time::sleep(Duration::from_nanos(a.hold_ns)).await;
+            guard.lease = None;
+        }
+    }
+
+    let (response, event) = answer(tenant, &decision, b.call_id, headers, decision_ns, start_unix_ns);
+    shared.telemetry.decision(event);
+    Ok(response)
+}
+
+/// A number written as an integer when it is whole (`20`, not `20.0`).
+struct Num(f64);
+
+impl Serialize for Num {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0.fract() == 0.0 && self.0.abs() < 9e15 {
+            s.serialize_i64(self.0 as i64)
+        } else {
+            s.serialize_f64(self.0)
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct WouldShed<'a> {
+    scope: &'a str,
+    retry_after_ms: u64,
+}
+
+#[derive(Serialize)]
+struct AdmittedBody<'a> {
+    admitted: bool,
+    lease_id: &'a str,
+    waited_ms: u64,
+    mode: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    remaining: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limit: Option<Num>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reset_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    would_shed: Option<WouldShed<'a>>,
+}
+
+#[derive(Serialize)]
+struct TextContent<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    text: &'a str,
+}
+
+#[derive(Serialize)]
+struct Structured<'a> {
+    error: &'a str,
+    scope: &'a str,
+    retry_after_ms: u64,
+    retryable: bool,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ToolResult<'a> {
+    content: [TextContent<'a>; 1],
+    structured_content: Structured<'a>,
+    is_error: bool,
+}
+
+#[derive(Serialize)]
+struct ShedBody<'a> {
+    admitted: bool,
+    scope: &'a str,
+    reason: &'a str,
+    retry_after_ms: u64,
+    retryable: bool,
+    tool_result: ToolResult<'a>,
+}
+
+fn shed_body(s: &Shed) -> ShedBody<'_> {
+    ShedBody {
+        admitted: false,
+        scope: s.scope.as_str(),
+        reason: &s.reason,
+        retry_after_ms: s.retry_after_ms,
+        retryable: s.retryable,
+        tool_result: ToolResult {
+            content: [TextContent { kind: "text", text: &s.message }],
+            structured_content: Structured {
+                error: "rate_limited",
+                scope: s.scope.as_str(),
+                retry_after_ms: s.retry_after_ms,
+                retryable: s.retryable,
+            },
+            is_error: true,
+        },
+    }
+}
+
+/// `RateLimit-Policy`: every bucket layer that applied, `"name";q=<burst>;w=<seconds to refill>`.
+pub fn policy_header(layers: &[LayerState]) -> String {
+    let mut s = String::new();
+    for (i, l) in layers.iter().enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        s.push_str(&format!("\"{}\";q={};w={}", l.layer.as_str(), l.burst.floor() as u64, l.window_secs));
+    }
+    s
+}
+
+/// `RateLimit`: the tightest layer, `"name";r=<whole tokens left>;t=<seconds until full>`.
+pub fn ratelimit_header(l: &LayerState) -> String {
+    format!("\"{}\";r={};t={}", l.layer.as_str(), l.remaining, ceil_secs(l.reset_ns))
+}
+
+fn answer(
+    tenant: &str,
+    d: &Decision,
+    call_id: Option<String>,
+    headers: &HeaderMap,
+    decision_ns: u64,
+    start_unix_ns: u128,
+) -> (Response, DecisionEvent) {
+    let tightest = d.tightest();
+    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let mut event = DecisionEvent {
+        tenant: Arc::from(tenant),
+        subject: d.resolved.subject.clone(),
+        tool: d.resolved.tool.clone(),
+        upstream: d.resolved.upstream.clone(),
+        cost: d.resolved.cost,
+        kind: DecisionKind::Admitted,
+        scope: None,
+        retryable: false,
+        waited_ns: 0,
+        retry_after_ms: 0,
+        decision_ns,
+        call_id,
+        traceparent,
+        lease_id: None,
+        start_unix_ns,
+    };
+    let mut response = match &d.verdict {
+        Verdict::Admitted(a) => {
+            let lease_id = lease::encode(tenant, a.lease);
+            let waited_ns = if a.mode == Mode::Shadow { 0 } else { a.queued_ns + a.hold_ns };
+            event.waited_ns = waited_ns;
+            if let Some(s) = &a.would_shed {
+                event.kind = DecisionKind::ShadowShed;
+                event.scope = Some(s.scope);
+                event.retry_after_ms = s.retry_after_ms;
+                event.retryable = s.retryable;
+            }
+            let body = AdmittedBody {
+                admitted: true,
+                lease_id: &lease_id,
+                waited_ms: ceil_ms(waited_ns),
+                mode: a.mode.as_str(),
+                remaining: tightest.map(|t| t.remaining),
+                limit: tightest.map(|t| Num(t.burst)),
+                reset_ms: tightest.map(|t| ceil_ms(t.reset_ns)),
+                would_shed: a.would_shed.as_ref().map(|s| WouldShed { scope: s.scope.as_str(), retry_after_ms: s.retry_after_ms }),
+            };
+            event.lease_id = Some(lease_id.clone());
+            json(StatusCode::OK, &body)
+        }
+        Verdict::Shed(s) => {
+            event.kind = DecisionKind::Shed;
+            event.scope = Some(s.scope);
+            event.retry_after_ms = s.retry_after_ms;
+            event.retryable = s.retryable;
+            let mut r = json(StatusCode::TOO_MANY_REQUESTS, &shed_body(s));
+            if s.retryable {
+                r.headers_mut().insert(warp::http::header::RETRY_AFTER, HeaderValue::from(whole_seconds(s.retry_after_ms).max(1)));
+            }
+            r
+        }
+    };
+    let h = response.headers_mut();
+    if !d.layers.is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&policy_header(&d.layers)) {
+            h.insert("ratelimit-policy", v);
+        }
+    }
+    if let Some(t) = tightest {
+        if let Ok(v) = HeaderValue::from_str(&ratelimit_header(t)) {
+            h.insert("ratelimit", v);
+        }
+    }
+    (response, event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::NS_PER_SEC;
+    use crate::engine::{Layer, Scope};
+
+    fn layer(layer: Layer, burst: f64, w: u64, remaining: u64, reset_ns: u64) -> LayerState {
+        LayerState { layer, burst, window_secs: w, remaining, reset_ns }
+    }
+
+    #[test]
+    fn headers_follow_the_structured_field_form() {
+        let layers = [layer(Layer::Subject, 20.0, 10, 19, NS_PER_SEC / 2), layer(Layer::Tenant, 50.0, 5, 49, NS_PER_SEC / 10)];
+        assert_eq!(policy_header(&layers), "\"subject\";q=20;w=10, \"tenant\";q=50;w=5");
+        assert_eq!(ratelimit_header(&layers[0]), "\"subject\";r=19;t=1");
+    }
+
+    #[test]
+    fn shed_body_is_a_complete_tool_result() {
+        let s = Shed {
+            scope: Scope::TenantUpstream,
+            retry_after_ms: 4000,
+            retryable: true,
+            reason: "rate limit reached".into(),
+            message: "Wait 4 seconds".into(),
+        };
+        let v = serde_json::to_value(shed_body(&s)).unwrap();
+        assert_eq!(v["admitted"], false);
+        assert_eq!(v["scope"], "tenant_upstream");
+        assert_eq!(v["tool_result"]["isError"], true);
+        assert_eq!(v["tool_result"]["content"][0]["type"], "text");
+        assert_eq!(v["tool_result"]["structuredContent"]["retry_after_ms"], 4000);
+        assert_eq!(v["tool_result"]["structuredContent"]["error"], "rate_limited");
+    }
+}

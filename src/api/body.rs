@@ -1,0 +1,134 @@
+//! Reading request bodies: content type, size limit and JSON, each failure a clear 4xx.
+//!
+//! The body is read as a stream and cut off at 64 KiB whether or not the client sent a
+//! `Content-Length`, so neither a lying header nor a chunked upload can make the daemon buffer more.
+
+use bytes::{Buf, BytesMut};
+use futures_util::{Stream, StreamExt};
+use serde::de::DeserializeOwned;
+use warp::http::{HeaderMap, StatusCode};
+
+use super::error::ApiError;
+
+/// The largest request body accepted.
+pub const MAX_BODY: usize = 64 * 1024;
+
+fn too_large() -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        format!("the request body is larger than {MAX_BODY} bytes"),
+    )
+}
+
+/// Checks the content type and declared length before anything is read.
+pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
+    let ct = headers.get(warp::http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let mime = ct.split(';').next().unwrap_or("").trim();
+    if !mime.eq_ignore_ascii_case("application/json") {
+        let shown = if ct.is_empty() { "none".to_string() } else { format!("{ct:?}") };
+        return Err(ApiError::invalid(format!("the body must be JSON with Content-Type: application/json (got {shown})")));
+    }
+    if let Some(len) = headers.get(warp::http::header::CONTENT_LENGTH) {
+        match len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()) {
+            Some(n) if n > MAX_BODY as u64 => return Err(too_large()),
+            Some(_) => {}
+            None => return Err(ApiError::invalid("the Content-Length header is not a number")),
+        }
+    }
+    Ok(())
+}
+
+/// Reads at most [`MAX_BODY`] bytes.
+pub async fn read_limited<S, B>(mut stream: S) -> Result<BytesMut, ApiError>
+where
+    S: Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: Buf,
+{
+    let mut buf = BytesMut::new();
+    while let Some(chunk) = stream.next().await {
+        let mut chunk = chunk.map_err(|e| ApiError::invalid(format!("could not read the request body: {e}")))?;
+        if buf.len() + chunk.remaining() > MAX_BODY {
+            return Err(too_large());
+        }
+        while chunk.has_remaining() {
+            let part = chunk.chunk();
+            let n = part.len();
+            buf.extend_from_slice(part);
+            chunk.advance(n);
+        }
+    }
+    Ok(buf)
+}
+
+/// Parses a JSON body, naming the problem and where it is.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(ApiError::invalid("the request body is empty; send a JSON object"));
+    }
+    serde_json::from_slice(bytes).map_err(|e| {
+        let what = match e.classify() {
+            serde_json::error::Category::Data => "the JSON does not match the request schema",
+            serde_json::error::Category::Eof => "the JSON ends too early",
+            _ => "the body is not valid JSON",
+        };
+        ApiError::invalid(format!("{what}: {e}"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warp::http::HeaderValue;
+
+    fn headers(ct: Option<&str>, len: Option<&str>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(ct) = ct {
+            h.insert("content-type", HeaderValue::from_str(ct).unwrap());
+        }
+        if let Some(len) = len {
+            h.insert("content-length", HeaderValue::from_str(len).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn content_type_must_be_json() {
+        assert!(check_headers(&headers(Some("application/json"), None)).is_ok());
+        assert!(check_headers(&headers(Some("application/json; charset=utf-8"), None)).is_ok());
+        assert!(check_headers(&headers(Some("Application/JSON"), None)).is_ok());
+        let e = check_headers(&headers(Some("text/plain"), None)).unwrap_err();
+        assert_eq!((e.status, e.code), (StatusCode::BAD_REQUEST, "invalid_request"));
+        assert!(check_headers(&headers(None, None)).is_err());
+    }
+
+    #[test]
+    fn declared_length_over_the_limit_is_413() {
+        let e = check_headers(&headers(Some("application/json"), Some("70000"))).unwrap_err();
+        assert_eq!((e.status, e.code), (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"));
+        assert!(check_headers(&headers(Some("application/json"), Some("65536"))).is_ok());
+    }
+
+    #[tokio::test]
+    async fn streamed_bodies_are_cut_at_the_limit() {
+        let chunks: Vec<Result<bytes::Bytes, warp::Error>> = (0..70).map(|_| Ok(bytes::Bytes::from(vec![b' '; 1024]))).collect();
+        let e = read_limited(futures_util::stream::iter(chunks)).await.unwrap_err();
+        assert_eq!(e.code, "body_too_large");
+        let ok: Vec<Result<bytes::Bytes, warp::Error>> = vec![Ok(bytes::Bytes::from_static(b"{}"))];
+        assert_eq!(&read_limited(futures_util::stream::iter(ok)).await.unwrap()[..], b"{}");
+    }
+
+    #[test]
+    fn json_errors_say_what_is_wrong() {
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct T {
+            a: u32,
+        }
+        assert!(parse_json::<T>(b"").unwrap_err().message.contains("empty"));
+        assert!(parse_json::<T>(b"{\"a\":").unwrap_err().message.contains("ends too early"));
+        assert!(parse_json::<T>(b"{\"a\":\"x\"}").unwrap_err().message.contains("does not match"));
+        assert!(parse_json::<T>(b"nope").unwrap_err().message.contains("not valid JSON"));
+        assert_eq!(parse_json::<T>(b"{\"a\":3}").unwrap().a, 3);
+    }
+}

@@ -1,0 +1,89 @@
+//! The command line: `admitd serve` and `admitd check`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Config;
+
+/// Admission control for MCP tool servers: per-tenant rate limits, concurrency caps and quotas for AI
+/// agent traffic, with refusals a model can act on.
+#[derive(Parser, Debug)]
+#[command(name = "admitd", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the daemon (built-in defaults when no --config is given).
+    Serve {
+        /// TOML config file (see README.md for every key).
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        /// Address to listen on; overrides [server] listen.
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<SocketAddr>,
+    },
+    /// Validate a config file and exit: 0 when valid, 1 with FILE:LINE: message otherwise.
+    Check {
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+    },
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("ADMITD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).with_current_span(false).try_init();
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => match Config::load(&config) {
+            Ok(c) => {
+                println!(
+                    "{}: ok ({} plans, {} tenants, {} tools, {} upstreams; mode {})",
+                    config.display(),
+                    c.plans.len(),
+                    c.tenants.len(),
+                    c.tools.len(),
+                    c.upstreams.len(),
+                    c.server.mode.as_str()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Serve { config, listen } => {
+            let mut cfg = match config {
+                Some(path) => match Config::load(&path) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("{e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                None => Config::default(),
+            };
+            if let Some(addr) = listen {
+                cfg.server.listen = addr;
+            }
+            init_logging();
+            match crate::server::serve(cfg) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("admitd: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}

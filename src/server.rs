@@ -1,0 +1,114 @@
+//! Wiring: the runtime layout of a running daemon, start-up and shutdown.
+//!
+//! Layout: an actix `System` on the main thread (it runs the global actor and the signal handlers) and
+//! `server.workers` arbiters (default: one per core). Every arbiter is a single-threaded runtime that both
+//! hosts a share of the tenant actors and serves HTTP on the same listening socket. A request whose tenant
+//! lives on the arbiter that accepted its connection reaches the actor without crossing threads; with one
+//! worker nothing ever does. docs/BENCHMARKS.md measures this against the alternatives.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+
+use crate::actors::{GlobalActor, Shared};
+use crate::api::{self, App};
+use crate::clock::SystemClock;
+use crate::config::Config;
+use crate::telemetry::Telemetry;
+
+/// Runs the daemon until SIGTERM or SIGINT. Errors are start-up failures, worded for the operator.
+pub fn serve(config: Config) -> Result<(), String> {
+    let system = actix::System::new();
+    let result = system.block_on(run(config));
+    System::current().stop();
+    result
+}
+
+async fn run(config: Config) -> Result<(), String> {
+    let addr: SocketAddr = config.server.listen;
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    listener.set_nonblocking(true).map_err(|e| format!("cannot configure the socket on {addr}: {e}"))?;
+    let local = listener.local_addr().map_err(|e| format!("cannot read the bound address: {e}"))?;
+
+    let workers = config.worker_count();
+    let arbiters: Vec<Arbiter> = (0..workers)
+        .map(|_| Arbiter::try_new().map_err(|e| format!("cannot start a worker thread: {e}")))
+        .collect::<Result<_, _>>()?;
+    let handles = arbiters.iter().map(|a| a.handle()).collect();
+
+    let telemetry = Telemetry::disabled();
+    let shared = Shared::new(config, Arc::new(SystemClock::new()), telemetry, handles);
+    let global = GlobalActor::new(shared.clone()).start();
+    let app = Arc::new(App { shared: shared.clone(), global: global.clone(), metrics: None, alerts: None });
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(workers);
+    for arbiter in &arbiters {
+        let listener = listener.try_clone().map_err(|e| format!("cannot share the socket on {addr}: {e}"))?;
+        let app = app.clone();
+        let mut stop = stop_rx.clone();
+        let done = done_tx.clone();
+        arbiter.spawn(async move {
+            match tokio::net::TcpListener::from_std(listener) {
+                Ok(listener) => {
+                    warp::serve(api::routes(app))
+                        .incoming(listener)
+                        .graceful(async move {
+                            let _ = stop.wait_for(|s| *s).await;
+                        })
+                        .run()
+                        .await
+                }
+                Err(e) => tracing::error!(error = %e, "a worker could not take the listening socket"),
+            }
+            let _ = done.send(()).await;
+        });
+    }
+    drop(done_tx);
+    drop(listener);
+    tracing::info!(listen = %local, workers, mode = shared.config.load().server.mode.as_str(), "admitd listening");
+    eprintln!("admitd listening on {local}");
+
+    wait_for_signals(&shared, &global).await;
+
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    // Let in-flight answers go out; keep-alive connections are closed by the graceful shutdown.
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while done_rx.recv().await.is_some() {}
+    })
+    .await;
+    for arbiter in arbiters {
+        arbiter.stop();
+    }
+    Ok(())
+}
+
+#[cfg(unix)]
+async fn wait_for_signals(shared: &Arc<Shared>, global: &Addr<GlobalActor>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut hup), Ok(mut term), Ok(mut int)) =
+        (signal(SignalKind::hangup()), signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        tracing::error!("cannot install signal handlers; stop the daemon with SIGKILL");
+        std::future::pending::<()>().await;
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = hup.recv() => match api::reload(shared, global).await {
+                Ok(restart) => tracing::info!(?restart, "SIGHUP: config reloaded"),
+                Err(e) => tracing::error!(error = %e.message, "SIGHUP: reload refused"),
+            },
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        }
+    }
+}
+
+#[cfg(not(unix))]
+async fn wait_for_signals(_: &Arc<Shared>, _: &Addr<GlobalActor>) {
+    let _ = tokio::signal::ctrl_c().await;
+}
