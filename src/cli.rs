@@ -38,7 +38,12 @@ pub enum Command {
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("ADMITD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).with_current_span(false).try_init();
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_current_span(false)
+        .try_init();
 }
 
 pub fn main() -> ExitCode {

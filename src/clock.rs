@@ -34,7 +34,9 @@ pub struct SystemClock {
 
 impl SystemClock {
     pub fn new() -> Self {
-        SystemClock { origin: Instant::now() }
+        SystemClock {
+            origin: Instant::now(),
+        }
     }
 }
 
@@ -76,7 +78,8 @@ impl FakeClock {
     /// Moves both clocks forward by `d`.
     pub fn advance(&self, d: Duration) {
         self.mono.fetch_add(d.as_nanos() as u64, Ordering::SeqCst);
-        self.wall_ms.fetch_add(d.as_millis() as i64, Ordering::SeqCst);
+        self.wall_ms
+            .fetch_add(d.as_millis() as i64, Ordering::SeqCst);
     }
 
     /// Moves both clocks forward by `ms` milliseconds.

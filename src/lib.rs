@@ -9,11 +9,11 @@
 //! actor; [`api`] is the warp HTTP layer; [`config`] reads the TOML file; [`telemetry`] turns decisions
 //! into metrics, spans, logs and alerts; [`cli`] is the command line.
 
+pub mod actors;
+pub mod api;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod engine;
-pub mod actors;
-pub mod telemetry;
-pub mod api;
-pub mod cli;
 pub mod server;
+pub mod telemetry;

@@ -28,9 +28,14 @@ pub fn serve(config: Config) -> Result<(), String> {
 
 async fn run(config: Config) -> Result<(), String> {
     let addr: SocketAddr = config.server.listen;
-    let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    listener.set_nonblocking(true).map_err(|e| format!("cannot configure the socket on {addr}: {e}"))?;
-    let local = listener.local_addr().map_err(|e| format!("cannot read the bound address: {e}"))?;
+    let listener =
+        std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("cannot configure the socket on {addr}: {e}"))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the bound address: {e}"))?;
 
     let workers = config.worker_count();
     let arbiters: Vec<Arbiter> = (0..workers)
@@ -41,12 +46,19 @@ async fn run(config: Config) -> Result<(), String> {
     let telemetry = Telemetry::disabled();
     let shared = Shared::new(config, Arc::new(SystemClock::new()), telemetry, handles);
     let global = GlobalActor::new(shared.clone()).start();
-    let app = Arc::new(App { shared: shared.clone(), global: global.clone(), metrics: None, alerts: None });
+    let app = Arc::new(App {
+        shared: shared.clone(),
+        global: global.clone(),
+        metrics: None,
+        alerts: None,
+    });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(workers);
     for arbiter in &arbiters {
-        let listener = listener.try_clone().map_err(|e| format!("cannot share the socket on {addr}: {e}"))?;
+        let listener = listener
+            .try_clone()
+            .map_err(|e| format!("cannot share the socket on {addr}: {e}"))?;
         let app = app.clone();
         let mut stop = stop_rx.clone();
         let done = done_tx.clone();
@@ -61,7 +73,9 @@ async fn run(config: Config) -> Result<(), String> {
                         .run()
                         .await
                 }
-                Err(e) => tracing::error!(error = %e, "a worker could not take the listening socket"),
+                Err(e) => {
+                    tracing::error!(error = %e, "a worker could not take the listening socket")
+                }
             }
             let _ = done.send(()).await;
         });
@@ -89,9 +103,11 @@ async fn run(config: Config) -> Result<(), String> {
 #[cfg(unix)]
 async fn wait_for_signals(shared: &Arc<Shared>, global: &Addr<GlobalActor>) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut hup), Ok(mut term), Ok(mut int)) =
-        (signal(SignalKind::hangup()), signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    else {
+    let (Ok(mut hup), Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::hangup()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers; stop the daemon with SIGKILL");
         std::future::pending::<()>().await;
         return;

@@ -28,7 +28,9 @@ impl Actor for GlobalActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.run_interval(Duration::from_secs(1), |act, _| {
-            act.shared.telemetry.tenant_event(TenantEvent::Global { tenants: act.shared.tenant_count() });
+            act.shared.telemetry.tenant_event(TenantEvent::Global {
+                tenants: act.shared.tenant_count(),
+            });
         });
     }
 }

@@ -26,7 +26,9 @@ use arc_swap::ArcSwap;
 use parking_lot::RwLock;
 
 pub use global::GlobalActor;
-pub use tenant::{Admit, AdmitReply, CancelLease, CancelWaiter, Feedback, Release, Snapshot, TenantActor};
+pub use tenant::{
+    Admit, AdmitReply, CancelLease, CancelWaiter, Feedback, Release, Snapshot, TenantActor,
+};
 
 use crate::clock::Clock;
 use crate::config::Config;
@@ -63,7 +65,12 @@ pub enum AskError {
 }
 
 impl Shared {
-    pub fn new(config: Config, clock: Arc<dyn Clock>, telemetry: Telemetry, arbiters: Vec<ArbiterHandle>) -> Arc<Self> {
+    pub fn new(
+        config: Config,
+        clock: Arc<dyn Clock>,
+        telemetry: Telemetry,
+        arbiters: Vec<ArbiterHandle>,
+    ) -> Arc<Self> {
         assert!(!arbiters.is_empty(), "at least one arbiter");
         let budgets = Arc::new(SharedBudgets::new(&config));
         let seed = {
@@ -96,7 +103,10 @@ impl Shared {
 
     /// The tenant's actor, if it is running.
     pub fn tenant(&self, tenant: &str) -> Option<Addr<TenantActor>> {
-        self.shard(tenant).read().get(tenant).map(|(_, a)| a.clone())
+        self.shard(tenant)
+            .read()
+            .get(tenant)
+            .map(|(_, a)| a.clone())
     }
 
     /// The tenant's actor, started on its arbiter if it is not running.
@@ -113,7 +123,9 @@ impl Shared {
         let arbiter = &self.arbiters[(Self::hash(tenant) >> 32) as usize % self.arbiters.len()];
         let shared = Arc::clone(self);
         let n = name.clone();
-        let addr = TenantActor::start_in_arbiter(arbiter, move |_| TenantActor::new(n, shared, generation));
+        let addr = TenantActor::start_in_arbiter(arbiter, move |_| {
+            TenantActor::new(n, shared, generation)
+        });
         map.insert(name, (generation, addr.clone()));
         addr
     }
@@ -164,7 +176,9 @@ impl Shared {
         M::Result: Send,
         TenantActor: Handler<M>,
     {
-        let Some(addr) = self.tenant(tenant) else { return Ok(None) };
+        let Some(addr) = self.tenant(tenant) else {
+            return Ok(None);
+        };
         match addr.send(msg).timeout(ASK_TIMEOUT).await {
             Ok(r) => Ok(Some(r)),
             Err(MailboxError::Timeout) => Err(AskError::Timeout),

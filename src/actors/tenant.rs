@@ -18,7 +18,10 @@ use tokio::sync::oneshot;
 
 use super::Shared;
 use crate::clock::Nanos;
-use crate::engine::{AdmitRequest, AdmitResult, Decision, ReleaseInfo, TenantEngine, TenantSnapshot, UnknownLease, Verdict};
+use crate::engine::{
+    AdmitRequest, AdmitResult, Decision, ReleaseInfo, TenantEngine, TenantSnapshot, UnknownLease,
+    Verdict,
+};
 use crate::telemetry::TenantEvent;
 
 /// How often leases are expired and idleness is checked.
@@ -39,7 +42,13 @@ impl TenantActor {
         let cfg = shared.config.load_full();
         let seed = shared.seed ^ generation.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let engine = TenantEngine::new(tenant, cfg, shared.budgets.clone(), seed);
-        TenantActor { engine, shared, generation, waiters: HashMap::new(), ticks: 0 }
+        TenantActor {
+            engine,
+            shared,
+            generation,
+            waiters: HashMap::new(),
+            ticks: 0,
+        }
     }
 
     /// The clock, after making sure the engine runs on the current config.
@@ -56,7 +65,9 @@ impl TenantActor {
     /// in turn let the next queued call in.
     fn deliver(&mut self, mut granted: Vec<(u64, Decision)>) {
         while let Some((id, decision)) = granted.pop() {
-            let Some(tx) = self.waiters.remove(&id) else { continue };
+            let Some(tx) = self.waiters.remove(&id) else {
+                continue;
+            };
             if let Err(decision) = tx.send(decision) {
                 if let Verdict::Admitted(a) = &decision.verdict {
                     let (now, wall) = self.now();
@@ -72,12 +83,14 @@ impl TenantActor {
         let (now, wall) = self.now();
         let (expired, granted) = self.engine.expire_leases(now, wall);
         for (subject, tool, upstream) in expired {
-            self.shared.telemetry.tenant_event(TenantEvent::LeaseExpired {
-                tenant: self.engine.tenant().clone(),
-                subject,
-                tool,
-                upstream,
-            });
+            self.shared
+                .telemetry
+                .tenant_event(TenantEvent::LeaseExpired {
+                    tenant: self.engine.tenant().clone(),
+                    subject,
+                    tool,
+                    upstream,
+                });
         }
         self.deliver(granted);
         self.ticks = self.ticks.wrapping_add(1);
@@ -89,9 +102,15 @@ impl TenantActor {
             inflight: self.engine.inflight(),
         });
         let idle_ttl = self.engine.config().server.idle_ttl.as_nanos() as u64;
-        if now.saturating_sub(self.engine.last_active()) >= idle_ttl && self.engine.is_at_rest(now, wall) {
-            self.shared.registry_remove(self.engine.tenant(), self.generation);
-            self.shared.telemetry.tenant_event(TenantEvent::Gauges { tenant: self.engine.tenant().clone(), inflight: 0 });
+        if now.saturating_sub(self.engine.last_active()) >= idle_ttl
+            && self.engine.is_at_rest(now, wall)
+        {
+            self.shared
+                .registry_remove(self.engine.tenant(), self.generation);
+            self.shared.telemetry.tenant_event(TenantEvent::Gauges {
+                tenant: self.engine.tenant().clone(),
+                inflight: 0,
+            });
             ctx.stop();
         }
     }
@@ -117,7 +136,10 @@ pub struct Admit(pub AdmitRequest);
 pub enum AdmitReply {
     Decided(Decision),
     /// Waiting for a concurrency slot: the decision arrives on the receiver.
-    Queued { waiter: u64, rx: oneshot::Receiver<Decision> },
+    Queued {
+        waiter: u64,
+        rx: oneshot::Receiver<Decision>,
+    },
 }
 
 impl<A: Actor, M: Message<Result = AdmitReply>> actix::dev::MessageResponse<A, M> for AdmitReply {
@@ -138,11 +160,14 @@ impl Handler<Admit> for TenantActor {
             AdmitResult::Queued { waiter, deadline } => {
                 let (tx, rx) = oneshot::channel();
                 self.waiters.insert(waiter, tx);
-                ctx.run_later(Duration::from_nanos(deadline.saturating_sub(now)), |act, _| {
-                    let (now, _) = act.now();
-                    let expired = act.engine.expire_waiters(now);
-                    act.deliver(expired);
-                });
+                ctx.run_later(
+                    Duration::from_nanos(deadline.saturating_sub(now)),
+                    |act, _| {
+                        let (now, _) = act.now();
+                        let expired = act.engine.expire_waiters(now);
+                        act.deliver(expired);
+                    },
+                );
                 AdmitReply::Queued { waiter, rx }
             }
         }
@@ -213,7 +238,8 @@ impl Handler<Feedback> for TenantActor {
 
     fn handle(&mut self, msg: Feedback, _: &mut Context<Self>) -> Self::Result {
         let (now, _) = self.now();
-        self.engine.feedback(&msg.upstream, msg.status, msg.retry_after, now)
+        self.engine
+            .feedback(&msg.upstream, msg.status, msg.retry_after, now)
     }
 }
 
@@ -227,6 +253,8 @@ impl Handler<Snapshot> for TenantActor {
 
     fn handle(&mut self, _: Snapshot, _: &mut Context<Self>) -> Self::Result {
         let (now, wall) = self.now();
-        self.engine.has_state(now, wall).then(|| self.engine.snapshot(now, wall))
+        self.engine
+            .has_state(now, wall)
+            .then(|| self.engine.snapshot(now, wall))
     }
 }

@@ -55,9 +55,16 @@ impl Drop for HoldGuard<'_> {
     }
 }
 
-pub async fn admit(app: &Arc<App>, headers: &HeaderMap, bytes: bytes::BytesMut) -> Result<Response, ApiError> {
+pub async fn admit(
+    app: &Arc<App>,
+    headers: &HeaderMap,
+    bytes: bytes::BytesMut,
+) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let start_unix_ns = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let start_unix_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     let b: AdmitBody = body::parse_json(&bytes)?;
     name_field("tenant", &b.tenant)?;
     name_field("subject", &b.subject)?;
@@ -70,7 +77,9 @@ pub async fn admit(app: &Arc<App>, headers: &HeaderMap, bytes: bytes::BytesMut) 
     }
     if let Some(cost) = b.cost {
         if !(cost.is_finite() && cost > 0.0) {
-            return Err(ApiError::invalid(format!("cost {cost} must be a positive number")));
+            return Err(ApiError::invalid(format!(
+                "cost {cost} must be a positive number"
+            )));
         }
     }
     let shared = &app.shared;
@@ -78,7 +87,11 @@ pub async fn admit(app: &Arc<App>, headers: &HeaderMap, bytes: bytes::BytesMut) 
     let server_cap = cfg.server.max_wait.as_nanos() as u64;
     let max_wait_ns = match b.max_wait_ms {
         Some(ms) if ms.is_finite() && ms >= 0.0 => ((ms * 1e6) as u64).min(server_cap),
-        Some(ms) => return Err(ApiError::invalid(format!("max_wait_ms {ms} must be a non-negative number"))),
+        Some(ms) => {
+            return Err(ApiError::invalid(format!(
+                "max_wait_ms {ms} must be a non-negative number"
+            )))
+        }
         None => server_cap,
     };
     let shadow = cfg.server.mode == Mode::Shadow;
@@ -92,7 +105,12 @@ pub async fn admit(app: &Arc<App>, headers: &HeaderMap, bytes: bytes::BytesMut) 
         max_wait_ns,
     };
     let tenant = b.tenant.as_str();
-    let mut guard = HoldGuard { shared, tenant, lease: None, waiter: None };
+    let mut guard = HoldGuard {
+        shared,
+        tenant,
+        lease: None,
+        waiter: None,
+    };
     let reply = shared.ask(tenant, Admit(req)).await?;
     // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
     let decision_ns = started.elapsed().as_nanos() as u64;
@@ -108,7 +126,11 @@ pub async fn admit(app: &Arc<App>, headers: &HeaderMap, bytes: bytes::BytesMut) 
                     rx.close();
                     match rx.try_recv() {
                         Ok(d) => d,
-                        Err(_) => return Err(ApiError::unavailable("the tenant's queue did not answer in time; retry the request")),
+                        Err(_) => {
+                            return Err(ApiError::unavailable(
+                                "the tenant's queue did not answer in time; retry the request",
+                            ))
+                        }
                     }
                 }
             };
@@ -124,7 +146,14 @@ pub async fn admit(app: &Arc<App>, headers: &HeaderMap, bytes: bytes::BytesMut) 
         }
     }
 
-    let (response, event) = answer(tenant, &decision, b.call_id, headers, decision_ns, start_unix_ns);
+    let (response, event) = answer(
+        tenant,
+        &decision,
+        b.call_id,
+        headers,
+        decision_ns,
+        start_unix_ns,
+    );
     shared.telemetry.decision(event);
     Ok(response)
 }
@@ -205,7 +234,10 @@ fn shed_body(s: &Shed) -> ShedBody<'_> {
         retry_after_ms: s.retry_after_ms,
         retryable: s.retryable,
         tool_result: ToolResult {
-            content: [TextContent { kind: "text", text: &s.message }],
+            content: [TextContent {
+                kind: "text",
+                text: &s.message,
+            }],
             structured_content: Structured {
                 error: "rate_limited",
                 scope: s.scope.as_str(),
@@ -224,14 +256,24 @@ pub fn policy_header(layers: &[LayerState]) -> String {
         if i > 0 {
             s.push_str(", ");
         }
-        s.push_str(&format!("\"{}\";q={};w={}", l.layer.as_str(), l.burst.floor() as u64, l.window_secs));
+        s.push_str(&format!(
+            "\"{}\";q={};w={}",
+            l.layer.as_str(),
+            l.burst.floor() as u64,
+            l.window_secs
+        ));
     }
     s
 }
 
 /// `RateLimit`: the tightest layer, `"name";r=<whole tokens left>;t=<seconds until full>`.
 pub fn ratelimit_header(l: &LayerState) -> String {
-    format!("\"{}\";r={};t={}", l.layer.as_str(), l.remaining, ceil_secs(l.reset_ns))
+    format!(
+        "\"{}\";r={};t={}",
+        l.layer.as_str(),
+        l.remaining,
+        ceil_secs(l.reset_ns)
+    )
 }
 
 fn answer(
@@ -243,7 +285,10 @@ fn answer(
     start_unix_ns: u128,
 ) -> (Response, DecisionEvent) {
     let tightest = d.tightest();
-    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let traceparent = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let mut event = DecisionEvent {
         tenant: Arc::from(tenant),
         subject: d.resolved.subject.clone(),
@@ -264,7 +309,11 @@ fn answer(
     let mut response = match &d.verdict {
         Verdict::Admitted(a) => {
             let lease_id = lease::encode(tenant, a.lease);
-            let waited_ns = if a.mode == Mode::Shadow { 0 } else { a.queued_ns + a.hold_ns };
+            let waited_ns = if a.mode == Mode::Shadow {
+                0
+            } else {
+                a.queued_ns + a.hold_ns
+            };
             event.waited_ns = waited_ns;
             if let Some(s) = &a.would_shed {
                 event.kind = DecisionKind::ShadowShed;
@@ -280,7 +329,10 @@ fn answer(
                 remaining: tightest.map(|t| t.remaining),
                 limit: tightest.map(|t| Num(t.burst)),
                 reset_ms: tightest.map(|t| ceil_ms(t.reset_ns)),
-                would_shed: a.would_shed.as_ref().map(|s| WouldShed { scope: s.scope.as_str(), retry_after_ms: s.retry_after_ms }),
+                would_shed: a.would_shed.as_ref().map(|s| WouldShed {
+                    scope: s.scope.as_str(),
+                    retry_after_ms: s.retry_after_ms,
+                }),
             };
             event.lease_id = Some(lease_id.clone());
             json(StatusCode::OK, &body)
@@ -292,7 +344,10 @@ fn answer(
             event.retryable = s.retryable;
             let mut r = json(StatusCode::TOO_MANY_REQUESTS, &shed_body(s));
             if s.retryable {
-                r.headers_mut().insert(warp::http::header::RETRY_AFTER, HeaderValue::from(whole_seconds(s.retry_after_ms).max(1)));
+                r.headers_mut().insert(
+                    warp::http::header::RETRY_AFTER,
+                    HeaderValue::from(whole_seconds(s.retry_after_ms).max(1)),
+                );
             }
             r
         }
@@ -318,13 +373,25 @@ mod tests {
     use crate::engine::{Layer, Scope};
 
     fn layer(layer: Layer, burst: f64, w: u64, remaining: u64, reset_ns: u64) -> LayerState {
-        LayerState { layer, burst, window_secs: w, remaining, reset_ns }
+        LayerState {
+            layer,
+            burst,
+            window_secs: w,
+            remaining,
+            reset_ns,
+        }
     }
 
     #[test]
     fn headers_follow_the_structured_field_form() {
-        let layers = [layer(Layer::Subject, 20.0, 10, 19, NS_PER_SEC / 2), layer(Layer::Tenant, 50.0, 5, 49, NS_PER_SEC / 10)];
-        assert_eq!(policy_header(&layers), "\"subject\";q=20;w=10, \"tenant\";q=50;w=5");
+        let layers = [
+            layer(Layer::Subject, 20.0, 10, 19, NS_PER_SEC / 2),
+            layer(Layer::Tenant, 50.0, 5, 49, NS_PER_SEC / 10),
+        ];
+        assert_eq!(
+            policy_header(&layers),
+            "\"subject\";q=20;w=10, \"tenant\";q=50;w=5"
+        );
         assert_eq!(ratelimit_header(&layers[0]), "\"subject\";r=19;t=1");
     }
 
@@ -342,7 +409,13 @@ mod tests {
         assert_eq!(v["scope"], "tenant_upstream");
         assert_eq!(v["tool_result"]["isError"], true);
         assert_eq!(v["tool_result"]["content"][0]["type"], "text");
-        assert_eq!(v["tool_result"]["structuredContent"]["retry_after_ms"], 4000);
-        assert_eq!(v["tool_result"]["structuredContent"]["error"], "rate_limited");
+        assert_eq!(
+            v["tool_result"]["structuredContent"]["retry_after_ms"],
+            4000
+        );
+        assert_eq!(
+            v["tool_result"]["structuredContent"]["error"],
+            "rate_limited"
+        );
     }
 }

@@ -23,17 +23,30 @@ fn too_large() -> ApiError {
 
 /// Checks the content type and declared length before anything is read.
 pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
-    let ct = headers.get(warp::http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let ct = headers
+        .get(warp::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     let mime = ct.split(';').next().unwrap_or("").trim();
     if !mime.eq_ignore_ascii_case("application/json") {
-        let shown = if ct.is_empty() { "none".to_string() } else { format!("{ct:?}") };
-        return Err(ApiError::invalid(format!("the body must be JSON with Content-Type: application/json (got {shown})")));
+        let shown = if ct.is_empty() {
+            "none".to_string()
+        } else {
+            format!("{ct:?}")
+        };
+        return Err(ApiError::invalid(format!(
+            "the body must be JSON with Content-Type: application/json (got {shown})"
+        )));
     }
     if let Some(len) = headers.get(warp::http::header::CONTENT_LENGTH) {
         match len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()) {
             Some(n) if n > MAX_BODY as u64 => return Err(too_large()),
             Some(_) => {}
-            None => return Err(ApiError::invalid("the Content-Length header is not a number")),
+            None => {
+                return Err(ApiError::invalid(
+                    "the Content-Length header is not a number",
+                ))
+            }
         }
     }
     Ok(())
@@ -47,7 +60,8 @@ where
 {
     let mut buf = BytesMut::new();
     while let Some(chunk) = stream.next().await {
-        let mut chunk = chunk.map_err(|e| ApiError::invalid(format!("could not read the request body: {e}")))?;
+        let mut chunk = chunk
+            .map_err(|e| ApiError::invalid(format!("could not read the request body: {e}")))?;
         if buf.len() + chunk.remaining() > MAX_BODY {
             return Err(too_large());
         }
@@ -64,7 +78,9 @@ where
 /// Parses a JSON body, naming the problem and where it is.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     if bytes.iter().all(|b| b.is_ascii_whitespace()) {
-        return Err(ApiError::invalid("the request body is empty; send a JSON object"));
+        return Err(ApiError::invalid(
+            "the request body is empty; send a JSON object",
+        ));
     }
     serde_json::from_slice(bytes).map_err(|e| {
         let what = match e.classify() {
@@ -98,24 +114,37 @@ mod tests {
         assert!(check_headers(&headers(Some("application/json; charset=utf-8"), None)).is_ok());
         assert!(check_headers(&headers(Some("Application/JSON"), None)).is_ok());
         let e = check_headers(&headers(Some("text/plain"), None)).unwrap_err();
-        assert_eq!((e.status, e.code), (StatusCode::BAD_REQUEST, "invalid_request"));
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::BAD_REQUEST, "invalid_request")
+        );
         assert!(check_headers(&headers(None, None)).is_err());
     }
 
     #[test]
     fn declared_length_over_the_limit_is_413() {
         let e = check_headers(&headers(Some("application/json"), Some("70000"))).unwrap_err();
-        assert_eq!((e.status, e.code), (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"));
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
+        );
         assert!(check_headers(&headers(Some("application/json"), Some("65536"))).is_ok());
     }
 
     #[tokio::test]
     async fn streamed_bodies_are_cut_at_the_limit() {
-        let chunks: Vec<Result<bytes::Bytes, warp::Error>> = (0..70).map(|_| Ok(bytes::Bytes::from(vec![b' '; 1024]))).collect();
-        let e = read_limited(futures_util::stream::iter(chunks)).await.unwrap_err();
+        let chunks: Vec<Result<bytes::Bytes, warp::Error>> = (0..70)
+            .map(|_| Ok(bytes::Bytes::from(vec![b' '; 1024])))
+            .collect();
+        let e = read_limited(futures_util::stream::iter(chunks))
+            .await
+            .unwrap_err();
         assert_eq!(e.code, "body_too_large");
         let ok: Vec<Result<bytes::Bytes, warp::Error>> = vec![Ok(bytes::Bytes::from_static(b"{}"))];
-        assert_eq!(&read_limited(futures_util::stream::iter(ok)).await.unwrap()[..], b"{}");
+        assert_eq!(
+            &read_limited(futures_util::stream::iter(ok)).await.unwrap()[..],
+            b"{}"
+        );
     }
 
     #[test]
@@ -126,9 +155,18 @@ mod tests {
             a: u32,
         }
         assert!(parse_json::<T>(b"").unwrap_err().message.contains("empty"));
-        assert!(parse_json::<T>(b"{\"a\":").unwrap_err().message.contains("ends too early"));
-        assert!(parse_json::<T>(b"{\"a\":\"x\"}").unwrap_err().message.contains("does not match"));
-        assert!(parse_json::<T>(b"nope").unwrap_err().message.contains("not valid JSON"));
+        assert!(parse_json::<T>(b"{\"a\":")
+            .unwrap_err()
+            .message
+            .contains("ends too early"));
+        assert!(parse_json::<T>(b"{\"a\":\"x\"}")
+            .unwrap_err()
+            .message
+            .contains("does not match"));
+        assert!(parse_json::<T>(b"nope")
+            .unwrap_err()
+            .message
+            .contains("not valid JSON"));
         assert_eq!(parse_json::<T>(b"{\"a\":3}").unwrap().a, 3);
     }
 }

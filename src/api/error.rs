@@ -19,7 +19,11 @@ struct Body<'a> {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, code, message: message.into() }
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
     }
 
     /// 400 `invalid_request`.
@@ -35,17 +39,23 @@ impl ApiError {
 impl From<crate::actors::AskError> for ApiError {
     fn from(e: crate::actors::AskError) -> Self {
         match e {
-            crate::actors::AskError::Timeout => {
-                ApiError::unavailable("the tenant's state did not answer in time; retry the request")
+            crate::actors::AskError::Timeout => ApiError::unavailable(
+                "the tenant's state did not answer in time; retry the request",
+            ),
+            crate::actors::AskError::Unavailable => {
+                ApiError::unavailable("the tenant's state is restarting; retry the request")
             }
-            crate::actors::AskError::Unavailable => ApiError::unavailable("the tenant's state is restarting; retry the request"),
         }
     }
 }
 
 impl Reply for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::to_vec(&Body { error: self.code, message: &self.message }).unwrap_or_default();
+        let body = serde_json::to_vec(&Body {
+            error: self.code,
+            message: &self.message,
+        })
+        .unwrap_or_default();
         super::json_response(self.status, body)
     }
 }

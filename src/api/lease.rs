@@ -20,7 +20,10 @@ pub fn decode(id: &str) -> Option<(String, u64)> {
         return None;
     }
     let lease = u64::from_str_radix(&id[..16], 16).ok()?;
-    let bytes: Option<Vec<u8>> = (16..id.len()).step_by(2).map(|i| u8::from_str_radix(&id[i..i + 2], 16).ok()).collect();
+    let bytes: Option<Vec<u8>> = (16..id.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&id[i..i + 2], 16).ok())
+        .collect();
     let tenant = String::from_utf8(bytes?).ok()?;
     crate::config::check_name(&tenant).ok()?;
     Some((tenant, lease))
@@ -40,7 +43,14 @@ mod tests {
 
     #[test]
     fn garbage_is_unknown() {
-        for id in ["", "xyz", "00000000000000000", "zzzzzzzzzzzzzzzz61", "000000000000000161ff", "0000000000000001"] {
+        for id in [
+            "",
+            "xyz",
+            "00000000000000000",
+            "zzzzzzzzzzzzzzzz61",
+            "000000000000000161ff",
+            "0000000000000001",
+        ] {
             assert_eq!(decode(id), None, "{id}");
         }
     }

@@ -43,36 +43,54 @@ pub struct App {
 pub fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
     let mut r = Response::new(body.into());
     *r.status_mut() = status;
-    r.headers_mut().insert(warp::http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        warp::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
 pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
     match serde_json::to_vec(value) {
         Ok(body) => json_response(status, body),
-        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("could not encode the answer: {e}")).into_response(),
+        Err(e) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("could not encode the answer: {e}"),
+        )
+        .into_response(),
     }
 }
 
 /// The whole API as one warp filter.
-pub fn routes(app: Arc<App>) -> impl Filter<Extract = (Response,), Error = warp::Rejection> + Clone + Send + Sync + 'static {
+pub fn routes(
+    app: Arc<App>,
+) -> impl Filter<Extract = (Response,), Error = warp::Rejection> + Clone + Send + Sync + 'static {
     warp::any()
         .and(warp::method())
         .and(warp::path::full())
         .and(warp::header::headers_cloned())
         .and(warp::body::stream())
-        .then(move |method: Method, path: warp::path::FullPath, headers: HeaderMap, body| {
-            let app = app.clone();
-            async move {
-                match dispatch(&app, &method, path.as_str(), &headers, body).await {
-                    Ok(r) => r,
-                    Err(e) => e.into_response(),
+        .then(
+            move |method: Method, path: warp::path::FullPath, headers: HeaderMap, body| {
+                let app = app.clone();
+                async move {
+                    match dispatch(&app, &method, path.as_str(), &headers, body).await {
+                        Ok(r) => r,
+                        Err(e) => e.into_response(),
+                    }
                 }
-            }
-        })
+            },
+        )
 }
 
-async fn dispatch<S, B>(app: &Arc<App>, method: &Method, path: &str, headers: &HeaderMap, body: S) -> Result<Response, ApiError>
+async fn dispatch<S, B>(
+    app: &Arc<App>,
+    method: &Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: S,
+) -> Result<Response, ApiError>
 where
     S: Stream<Item = Result<B, warp::Error>> + Unpin,
     B: Buf,
@@ -84,11 +102,17 @@ where
         "/v1/release" if post => release(app, json_body(headers, body).await?).await,
         "/v1/feedback" if post => feedback(app, json_body(headers, body).await?).await,
         "/healthz" if get => Ok(json(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
-        "/readyz" if get => Ok(json(StatusCode::OK, &serde_json::json!({"ready": true, "store": "memory"}))),
+        "/readyz" if get => Ok(json(
+            StatusCode::OK,
+            &serde_json::json!({"ready": true, "store": "memory"}),
+        )),
         "/metrics" if get && app.metrics.is_some() => {
             let text = app.metrics.as_ref().map(|f| f()).unwrap_or_default();
             let mut r = Response::new(text.into());
-            r.headers_mut().insert(warp::http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+            r.headers_mut().insert(
+                warp::http::header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
             Ok(r)
         }
         "/v1/alerts" if get && app.alerts.is_some() => {
@@ -96,7 +120,9 @@ where
             Ok(json(StatusCode::OK, &v))
         }
         "/v1/admin/reload" if post => reload_answer(app).await,
-        p if get && p.starts_with("/v1/tenants/") => tenant_snapshot(app, &p["/v1/tenants/".len()..]).await,
+        p if get && p.starts_with("/v1/tenants/") => {
+            tenant_snapshot(app, &p["/v1/tenants/".len()..]).await
+        }
         p => {
             let allow = match p {
                 "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/admin/reload" => Some("POST"),
@@ -114,10 +140,15 @@ where
                         format!("{p} accepts {allow} only"),
                     )
                     .into_response();
-                    r.headers_mut().insert(warp::http::header::ALLOW, HeaderValue::from_static(allow));
+                    r.headers_mut()
+                        .insert(warp::http::header::ALLOW, HeaderValue::from_static(allow));
                     Ok(r)
                 }
-                None => Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route {p}"))),
+                None => Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    format!("no route {p}"),
+                )),
             }
         }
     }
@@ -134,7 +165,11 @@ where
 
 /// Checks a name field of a request.
 pub fn name_field(field: &str, value: &str) -> Result<(), ApiError> {
-    check_name(value).map_err(|e| ApiError::invalid(format!("{field} {e} (names are 1 to 128 bytes of UTF-8 without control characters)")))
+    check_name(value).map_err(|e| {
+        ApiError::invalid(format!(
+            "{field} {e} (names are 1 to 128 bytes of UTF-8 without control characters)"
+        ))
+    })
 }
 
 /// `retry_after` as sent: a string (delay-seconds or HTTP-date) or, leniently, a bare number of seconds.
@@ -148,12 +183,18 @@ enum RetryAfterValue {
 impl RetryAfterValue {
     fn parse(&self, wall_ms: i64) -> Result<(Duration, String), ApiError> {
         match self {
-            RetryAfterValue::Text(s) => parse_retry_after(s, wall_ms).map(|d| (d, s.clone())).map_err(ApiError::invalid),
+            RetryAfterValue::Text(s) => parse_retry_after(s, wall_ms)
+                .map(|d| (d, s.clone()))
+                .map_err(ApiError::invalid),
             RetryAfterValue::Seconds(x) if x.is_finite() && *x >= 0.0 => {
-                let d = Duration::from_secs_f64(x.min(crate::engine::retry_after::MAX_PENALTY.as_secs_f64()));
+                let d = Duration::from_secs_f64(
+                    x.min(crate::engine::retry_after::MAX_PENALTY.as_secs_f64()),
+                );
                 Ok((d, format!("{x}")))
             }
-            RetryAfterValue::Seconds(x) => Err(ApiError::invalid(format!("retry_after {x} must not be negative"))),
+            RetryAfterValue::Seconds(x) => Err(ApiError::invalid(format!(
+                "retry_after {x} must not be negative"
+            ))),
         }
     }
 }
@@ -162,7 +203,9 @@ fn status_field(field: &str, status: i64) -> Result<u16, ApiError> {
     if (100..=599).contains(&status) {
         Ok(status as u16)
     } else {
-        Err(ApiError::invalid(format!("{field} {status} is not an HTTP status code (100 to 599)")))
+        Err(ApiError::invalid(format!(
+            "{field} {status} is not an HTTP status code (100 to 599)"
+        )))
     }
 }
 
@@ -186,18 +229,41 @@ async fn release(app: &Arc<App>, bytes: bytes::BytesMut) -> Result<Response, Api
             b.outcome
         ))
     })?;
-    let upstream_status = b.upstream_status.map(|s| status_field("upstream_status", s)).transpose()?;
+    let upstream_status = b
+        .upstream_status
+        .map(|s| status_field("upstream_status", s))
+        .transpose()?;
     let wall = app.shared.clock.wall_ms();
     let retry_after = b.retry_after.as_ref().map(|r| r.parse(wall)).transpose()?;
     let duration_ms = match b.duration_ms {
         Some(d) if d.is_finite() && d >= 0.0 => Some(d.min(u64::MAX as f64 / 2.0) as u64),
-        Some(d) => return Err(ApiError::invalid(format!("duration_ms {d} must be a non-negative number"))),
+        Some(d) => {
+            return Err(ApiError::invalid(format!(
+                "duration_ms {d} must be a non-negative number"
+            )))
+        }
         None => None,
     };
-    let unknown = || ApiError::new(StatusCode::NOT_FOUND, "unknown_lease", "no such lease: it was never issued, was already released, or expired");
+    let unknown = || {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_lease",
+            "no such lease: it was never issued, was already released, or expired",
+        )
+    };
     let (tenant, lease) = lease::decode(&b.lease_id).ok_or_else(unknown)?;
-    let info = ReleaseInfo { outcome, upstream_status, retry_after: retry_after.as_ref().map(|r| r.0), duration_ms };
-    let released = app.shared.ask_existing(&tenant, Release { lease, info }).await?.ok_or_else(unknown)?.map_err(|_| unknown())?;
+    let info = ReleaseInfo {
+        outcome,
+        upstream_status,
+        retry_after: retry_after.as_ref().map(|r| r.0),
+        duration_ms,
+    };
+    let released = app
+        .shared
+        .ask_existing(&tenant, Release { lease, info })
+        .await?
+        .ok_or_else(unknown)?
+        .map_err(|_| unknown())?;
     app.shared.telemetry.release(ReleaseEvent {
         tenant: Arc::from(tenant.as_str()),
         subject: released.subject,
@@ -227,11 +293,22 @@ async fn feedback(app: &Arc<App>, bytes: bytes::BytesMut) -> Result<Response, Ap
     name_field("tenant", &b.tenant)?;
     name_field("upstream", &b.upstream)?;
     let status = status_field("status", b.status)?;
-    let retry_after = b.retry_after.as_ref().map(|r| r.parse(app.shared.clock.wall_ms())).transpose()?;
+    let retry_after = b
+        .retry_after
+        .as_ref()
+        .map(|r| r.parse(app.shared.clock.wall_ms()))
+        .transpose()?;
     let upstream: Arc<str> = Arc::from(b.upstream.as_str());
     let penalty = app
         .shared
-        .ask(&b.tenant, Feedback { upstream: upstream.clone(), status, retry_after: retry_after.as_ref().map(|r| r.0) })
+        .ask(
+            &b.tenant,
+            Feedback {
+                upstream: upstream.clone(),
+                status,
+                retry_after: retry_after.as_ref().map(|r| r.0),
+            },
+        )
         .await?;
     app.shared.telemetry.feedback(FeedbackEvent {
         tenant: Arc::from(b.tenant.as_str()),
@@ -240,13 +317,24 @@ async fn feedback(app: &Arc<App>, bytes: bytes::BytesMut) -> Result<Response, Ap
         retry_after: retry_after.map(|r| r.1),
         penalty_ms: penalty.map(|d| d.as_millis() as u64),
     });
-    Ok(json(StatusCode::ACCEPTED, &serde_json::json!({"accepted": true})))
+    Ok(json(
+        StatusCode::ACCEPTED,
+        &serde_json::json!({"accepted": true}),
+    ))
 }
 
 async fn tenant_snapshot(app: &Arc<App>, raw: &str) -> Result<Response, ApiError> {
-    let tenant = percent_decode(raw).ok_or_else(|| ApiError::invalid("the tenant in the path is not valid percent-encoded UTF-8"))?;
+    let tenant = percent_decode(raw).ok_or_else(|| {
+        ApiError::invalid("the tenant in the path is not valid percent-encoded UTF-8")
+    })?;
     name_field("tenant", &tenant)?;
-    let unknown = || ApiError::new(StatusCode::NOT_FOUND, "unknown_tenant", format!("tenant {tenant:?} holds no state"));
+    let unknown = || {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_tenant",
+            format!("tenant {tenant:?} holds no state"),
+        )
+    };
     match app.shared.ask_existing(&tenant, Snapshot).await? {
         Some(Some(snap)) => Ok(json(StatusCode::OK, &snap)),
         _ => Err(unknown()),
@@ -272,7 +360,10 @@ fn percent_decode(s: &str) -> Option<String> {
 
 /// Re-reads the config file and swaps policies in. Live buckets, leases and quotas are kept; a file that
 /// does not validate is refused and the running config stays. Returns the keys that need a restart.
-pub async fn reload(shared: &Arc<Shared>, global: &Addr<GlobalActor>) -> Result<Vec<&'static str>, ApiError> {
+pub async fn reload(
+    shared: &Arc<Shared>,
+    global: &Addr<GlobalActor>,
+) -> Result<Vec<&'static str>, ApiError> {
     let current = shared.config.load_full();
     let Some(path) = current.path.clone() else {
         return Err(ApiError::new(
@@ -284,8 +375,20 @@ pub async fn reload(shared: &Arc<Shared>, global: &Addr<GlobalActor>) -> Result<
     let path_buf = std::path::PathBuf::from(&path);
     let new = tokio::task::spawn_blocking(move || Config::load(&path_buf))
         .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("reload task failed: {e}")))?
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_config", format!("{e}; the running config was kept")))?;
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                format!("reload task failed: {e}"),
+            )
+        })?
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_config",
+                format!("{e}; the running config was kept"),
+            )
+        })?;
     let mut restart = Vec::new();
     if new.server.listen != current.server.listen {
         restart.push("server.listen");
@@ -306,7 +409,10 @@ pub async fn reload(shared: &Arc<Shared>, global: &Addr<GlobalActor>) -> Result<
 
 async fn reload_answer(app: &Arc<App>) -> Result<Response, ApiError> {
     let restart = reload(&app.shared, &app.global).await?;
-    Ok(json(StatusCode::OK, &serde_json::json!({"reloaded": true, "restart_required": restart})))
+    Ok(json(
+        StatusCode::OK,
+        &serde_json::json!({"reloaded": true, "restart_required": restart}),
+    ))
 }
 
 #[cfg(test)]

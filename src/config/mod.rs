@@ -65,7 +65,10 @@ pub struct BucketSpec {
 
 impl BucketSpec {
     pub fn new(per_sec: f64, burst: f64) -> Self {
-        BucketSpec { rate: Rate::per_sec(per_sec), burst }
+        BucketSpec {
+            rate: Rate::per_sec(per_sec),
+            burst,
+        }
     }
 }
 
@@ -309,7 +312,9 @@ impl Config {
         if self.server.workers > 0 {
             self.server.workers
         } else {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         }
     }
 }
@@ -330,7 +335,11 @@ pub fn check_name(name: &str) -> Result<(), String> {
 
 fn line_of(text: &str, offset: usize) -> usize {
     let end = offset.min(text.len());
-    text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
+    text.as_bytes()[..end]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 // ---- raw (serde) side -------------------------------------------------------------------------------
@@ -444,7 +453,11 @@ struct Validator<'a> {
 }
 
 impl Validator<'_> {
-    fn err<T>(&self, span: std::ops::Range<usize>, message: impl Into<String>) -> Result<T, ConfigError> {
+    fn err<T>(
+        &self,
+        span: std::ops::Range<usize>,
+        message: impl Into<String>,
+    ) -> Result<T, ConfigError> {
         Err(ConfigError {
             file: self.file.to_string(),
             line: Some(line_of(self.text, span.start)),
@@ -457,9 +470,16 @@ impl Validator<'_> {
     }
 
     fn duration(&self, key: &str, v: &S<String>, max: Duration) -> Result<Duration, ConfigError> {
-        let d = parse_duration(v.get_ref()).or_else(|e| self.err(v.span(), format!("{key}: {e}")))?;
+        let d =
+            parse_duration(v.get_ref()).or_else(|e| self.err(v.span(), format!("{key}: {e}")))?;
         if d > max {
-            return self.err(v.span(), format!("{key}: {:?} is longer than the maximum of {max:?}", v.get_ref()));
+            return self.err(
+                v.span(),
+                format!(
+                    "{key}: {:?} is longer than the maximum of {max:?}",
+                    v.get_ref()
+                ),
+            );
         }
         Ok(d)
     }
@@ -467,7 +487,10 @@ impl Validator<'_> {
     fn positive(&self, key: &str, v: &S<f64>, min: f64) -> Result<f64, ConfigError> {
         let x = *v.get_ref();
         if !x.is_finite() || x < min || x > 1e15 {
-            return self.err(v.span(), format!("{key} must be a number from {min} to 1e15, not {x}"));
+            return self.err(
+                v.span(),
+                format!("{key} must be a number from {min} to 1e15, not {x}"),
+            );
         }
         Ok(x)
     }
@@ -475,12 +498,20 @@ impl Validator<'_> {
     fn count(&self, key: &str, v: &S<i64>, min: i64, max: i64) -> Result<i64, ConfigError> {
         let x = *v.get_ref();
         if x < min || x > max {
-            return self.err(v.span(), format!("{key} must be a whole number from {min} to {max}, not {x}"));
+            return self.err(
+                v.span(),
+                format!("{key} must be a whole number from {min} to {max}, not {x}"),
+            );
         }
         Ok(x)
     }
 
-    fn name(&self, key: &str, name: &str, span: std::ops::Range<usize>) -> Result<String, ConfigError> {
+    fn name(
+        &self,
+        key: &str,
+        name: &str,
+        span: std::ops::Range<usize>,
+    ) -> Result<String, ConfigError> {
         match check_name(name) {
             Ok(()) => Ok(name.to_string()),
             Err(e) => self.err(span, format!("{key} {name:?} {e}")),
@@ -498,11 +529,15 @@ impl Validator<'_> {
                 None => None,
             },
             concurrency: match &raw.concurrency {
-                Some(c) => Some(self.count(&format!("{section}.concurrency"), c, 1, 1_000_000)? as u32),
+                Some(c) => {
+                    Some(self.count(&format!("{section}.concurrency"), c, 1, 1_000_000)? as u32)
+                }
                 None => None,
             },
             daily_quota: match &raw.daily_quota {
-                Some(q) => Some(self.positive(&format!("{section}.daily_quota"), q, f64::MIN_POSITIVE)?),
+                Some(q) => {
+                    Some(self.positive(&format!("{section}.daily_quota"), q, f64::MIN_POSITIVE)?)
+                }
                 None => None,
             },
         })
@@ -519,7 +554,10 @@ impl Validator<'_> {
     ) -> Result<Option<BucketSpec>, ConfigError> {
         match (rate, burst) {
             (None, None) => Ok(None),
-            (None, Some(b)) => self.err(b.span(), format!("{section}.burst is set but {section}.rate is not; set both")),
+            (None, Some(b)) => self.err(
+                b.span(),
+                format!("{section}.burst is set but {section}.rate is not; set both"),
+            ),
             (Some(r), b) => {
                 let rate = self.rate(&format!("{section}.rate"), r)?;
                 let burst = match b {
@@ -537,31 +575,44 @@ impl Validator<'_> {
 
         if let Some(s) = raw.server {
             if let Some(v) = s.listen {
-                cfg.server.listen = match v.get_ref().parse() {
-                    Ok(a) => a,
-                    Err(_) => {
-                        return self.err(v.span(), format!("server.listen: {:?} is not an address such as \"127.0.0.1:9470\"", v.get_ref()))
-                    }
-                };
+                cfg.server.listen =
+                    match v.get_ref().parse() {
+                        Ok(a) => a,
+                        Err(_) => return self.err(
+                            v.span(),
+                            format!(
+                                "server.listen: {:?} is not an address such as \"127.0.0.1:9470\"",
+                                v.get_ref()
+                            ),
+                        ),
+                    };
             }
             if let Some(v) = s.mode {
                 cfg.server.mode = match v.get_ref().as_str() {
                     "enforce" => Mode::Enforce,
                     "shadow" => Mode::Shadow,
-                    other => return self.err(v.span(), format!("server.mode must be \"enforce\" or \"shadow\", not {other:?}")),
+                    other => {
+                        return self.err(
+                            v.span(),
+                            format!("server.mode must be \"enforce\" or \"shadow\", not {other:?}"),
+                        )
+                    }
                 };
             }
             if let Some(v) = s.max_wait {
-                cfg.server.max_wait = self.duration("server.max_wait", &v, Duration::from_secs(300))?;
+                cfg.server.max_wait =
+                    self.duration("server.max_wait", &v, Duration::from_secs(300))?;
             }
             if let Some(v) = s.lease_ttl {
-                cfg.server.lease_ttl = self.duration("server.lease_ttl", &v, Duration::from_secs(7 * 86_400))?;
+                cfg.server.lease_ttl =
+                    self.duration("server.lease_ttl", &v, Duration::from_secs(7 * 86_400))?;
                 if cfg.server.lease_ttl.is_zero() {
                     return self.err(v.span(), "server.lease_ttl must be longer than 0");
                 }
             }
             if let Some(v) = s.idle_ttl {
-                cfg.server.idle_ttl = self.duration("server.idle_ttl", &v, Duration::from_secs(86_400))?;
+                cfg.server.idle_ttl =
+                    self.duration("server.idle_ttl", &v, Duration::from_secs(86_400))?;
             }
             if let Some(v) = s.workers {
                 cfg.server.workers = self.count("server.workers", &v, 0, 256)? as usize;
@@ -608,8 +659,18 @@ impl Validator<'_> {
                     if !cfg.plans.contains_key(p.get_ref()) {
                         let mut known: Vec<_> = cfg.plans.keys().cloned().collect();
                         known.sort();
-                        let known = if known.is_empty() { "no plans are defined".to_string() } else { format!("defined plans: {}", known.join(", ")) };
-                        return self.err(p.span(), format!("tenants.{name}.plan: unknown plan {:?} ({known})", p.get_ref()));
+                        let known = if known.is_empty() {
+                            "no plans are defined".to_string()
+                        } else {
+                            format!("defined plans: {}", known.join(", "))
+                        };
+                        return self.err(
+                            p.span(),
+                            format!(
+                                "tenants.{name}.plan: unknown plan {:?} ({known})",
+                                p.get_ref()
+                            ),
+                        );
                     }
                     Some(p.into_inner())
                 }
@@ -628,11 +689,20 @@ impl Validator<'_> {
                 None => None,
             };
             let upstream = match &t.upstream {
-                Some(u) => Some(self.name(&format!("{section}.upstream"), u.get_ref(), u.span())?),
+                Some(u) => {
+                    Some(self.name(&format!("{section}.upstream"), u.get_ref(), u.span())?)
+                }
                 None => None,
             };
             let bucket = self.optional_bucket(&section, span, &t.rate, &t.burst)?;
-            cfg.tools.insert(key, ToolConfig { cost, upstream, bucket });
+            cfg.tools.insert(
+                key,
+                ToolConfig {
+                    cost,
+                    upstream,
+                    bucket,
+                },
+            );
         }
 
         for (name, up) in raw.upstreams.unwrap_or_default() {
@@ -641,15 +711,23 @@ impl Validator<'_> {
             let u = up.into_inner();
             let section = format!("upstreams.{name}");
             let bucket = self.optional_bucket(&section, span, &u.rate, &u.burst)?;
-            cfg.upstreams.insert(key, UpstreamConfig { bucket, shared: u.shared.unwrap_or(false) });
+            cfg.upstreams.insert(
+                key,
+                UpstreamConfig {
+                    bucket,
+                    shared: u.shared.unwrap_or(false),
+                },
+            );
         }
 
         if let Some(t) = raw.telemetry {
             if let Some(v) = t.max_subjects_per_tenant {
-                cfg.telemetry.max_subjects_per_tenant = self.count("telemetry.max_subjects_per_tenant", &v, 0, 1_000_000)? as usize;
+                cfg.telemetry.max_subjects_per_tenant =
+                    self.count("telemetry.max_subjects_per_tenant", &v, 0, 1_000_000)? as usize;
             }
             if let Some(v) = t.refusal_log_per_sec {
-                cfg.telemetry.refusal_log_per_sec = self.positive("telemetry.refusal_log_per_sec", &v, 0.0)?;
+                cfg.telemetry.refusal_log_per_sec =
+                    self.positive("telemetry.refusal_log_per_sec", &v, 0.0)?;
             }
             if let Some(o) = t.otlp {
                 let endpoint = match o.endpoint {
@@ -662,8 +740,14 @@ impl Validator<'_> {
                     }
                     None => None,
                 };
-                let service_name = o.service_name.map(|s| s.into_inner()).unwrap_or_else(|| "admitd".to_string());
-                cfg.telemetry.otlp = endpoint.map(|endpoint| OtlpConfig { endpoint, service_name });
+                let service_name = o
+                    .service_name
+                    .map(|s| s.into_inner())
+                    .unwrap_or_else(|| "admitd".to_string());
+                cfg.telemetry.otlp = endpoint.map(|endpoint| OtlpConfig {
+                    endpoint,
+                    service_name,
+                });
             }
         }
 
@@ -671,7 +755,10 @@ impl Validator<'_> {
             if let Some(v) = a.shed_ratio {
                 let r = *v.get_ref();
                 if !(r > 0.0 && r < 1.0) {
-                    return self.err(v.span(), format!("alerts.shed_ratio must be between 0 and 1 (exclusive), not {r}"));
+                    return self.err(
+                        v.span(),
+                        format!("alerts.shed_ratio must be between 0 and 1 (exclusive), not {r}"),
+                    );
                 }
                 cfg.alerts.shed_ratio = r;
                 cfg.alerts.clear_ratio = r * 0.8;
@@ -684,7 +771,8 @@ impl Validator<'_> {
                 cfg.alerts.clear_ratio = r;
             }
             if let Some(v) = a.window {
-                cfg.alerts.window = self.duration("alerts.window", &v, Duration::from_secs(86_400))?;
+                cfg.alerts.window =
+                    self.duration("alerts.window", &v, Duration::from_secs(86_400))?;
                 if cfg.alerts.window < Duration::from_secs(1) {
                     return self.err(v.span(), "alerts.window must be at least 1s");
                 }
@@ -698,7 +786,12 @@ impl Validator<'_> {
             if let Some(v) = a.alertmanager_url {
                 let s = v.get_ref().trim().trim_end_matches('/');
                 if !(s.starts_with("http://") || s.starts_with("https://")) {
-                    return self.err(v.span(), format!("alerts.alertmanager_url must be an http:// or https:// URL, not {s:?}"));
+                    return self.err(
+                        v.span(),
+                        format!(
+                            "alerts.alertmanager_url must be an http:// or https:// URL, not {s:?}"
+                        ),
+                    );
                 }
                 cfg.alerts.alertmanager_url = Some(s.to_string());
             }
@@ -774,15 +867,24 @@ min_calls = 100
         assert_eq!(c.limits.tenant.concurrency, Some(32));
         assert_eq!(c.tools["get_sales"].cost, Some(20.0));
         assert_eq!(c.tools["get_sales"].bucket.unwrap().burst, 5.0);
-        assert_eq!(c.upstreams["warehouse"].bucket, Some(BucketSpec::new(20.0, 20.0)));
-        assert_eq!(c.telemetry.otlp.as_ref().unwrap().endpoint, "http://127.0.0.1:4318/v1/traces");
+        assert_eq!(
+            c.upstreams["warehouse"].bucket,
+            Some(BucketSpec::new(20.0, 20.0))
+        );
+        assert_eq!(
+            c.telemetry.otlp.as_ref().unwrap().endpoint,
+            "http://127.0.0.1:4318/v1/traces"
+        );
         assert_eq!(c.alerts.for_, Duration::from_secs(60));
         let free = c.tenant_limits("globex");
         assert_eq!(free.subject.bucket, BucketSpec::new(0.5, 5.0));
         // a plan keeps the keys it does not override
         assert_eq!(free.subject.concurrency, Some(8));
         assert_eq!(free.subject.daily_quota, Some(20000.0));
-        assert_eq!(c.tenant_limits("acme").subject.bucket, BucketSpec::new(2.0, 20.0));
+        assert_eq!(
+            c.tenant_limits("acme").subject.bucket,
+            BucketSpec::new(2.0, 20.0)
+        );
     }
 
     #[test]
@@ -800,13 +902,22 @@ min_calls = 100
     #[test]
     fn errors_name_file_and_line() {
         let e = err("[limits.subject]\nburst = 20\nrate = \"5/mins\"\n");
-        assert!(e.starts_with("cfg.toml:3: limits.subject.rate: invalid rate \"5/mins\""), "{e}");
+        assert!(
+            e.starts_with("cfg.toml:3: limits.subject.rate: invalid rate \"5/mins\""),
+            "{e}"
+        );
 
         let e = err("[tenants.globex]\nplan = \"gold\"\n");
-        assert!(e.starts_with("cfg.toml:2: tenants.globex.plan: unknown plan \"gold\""), "{e}");
+        assert!(
+            e.starts_with("cfg.toml:2: tenants.globex.plan: unknown plan \"gold\""),
+            "{e}"
+        );
 
         let e = err("\n\n[limits.tenant]\nburst = -5\n");
-        assert!(e.starts_with("cfg.toml:4: limits.tenant.burst must be"), "{e}");
+        assert!(
+            e.starts_with("cfg.toml:4: limits.tenant.burst must be"),
+            "{e}"
+        );
 
         let e = err("[server]\nlisten = \"127.0.0.1:9470\"\nmax_wiat = \"2s\"\n");
         assert!(e.starts_with("cfg.toml:3: unknown field `max_wiat`"), "{e}");
@@ -821,13 +932,22 @@ min_calls = 100
         assert!(e.starts_with("cfg.toml:2: server.mode must be"), "{e}");
 
         let e = err("[tools.x]\nburst = 3\n");
-        assert!(e.starts_with("cfg.toml:2: tools.x.burst is set but tools.x.rate is not"), "{e}");
+        assert!(
+            e.starts_with("cfg.toml:2: tools.x.burst is set but tools.x.rate is not"),
+            "{e}"
+        );
 
         let e = err("[limits.subject]\nconcurrency = 0\n");
-        assert!(e.starts_with("cfg.toml:2: limits.subject.concurrency must be a whole number"), "{e}");
+        assert!(
+            e.starts_with("cfg.toml:2: limits.subject.concurrency must be a whole number"),
+            "{e}"
+        );
 
         let e = err("[server]\nmax_wait = \"2\"\n");
-        assert!(e.contains("cfg.toml:2: server.max_wait: invalid duration"), "{e}");
+        assert!(
+            e.contains("cfg.toml:2: server.max_wait: invalid duration"),
+            "{e}"
+        );
 
         let e = err("[bogus]\nx = 1\n");
         assert!(e.starts_with("cfg.toml:1: unknown field `bogus`"), "{e}");
@@ -835,7 +955,11 @@ min_calls = 100
 
     #[test]
     fn tool_rate_without_burst_gets_one_second_of_burst() {
-        let c = Config::parse("c", "[tools.t]\nrate = \"5/s\"\n[tools.u]\nrate = \"1/min\"\n").unwrap();
+        let c = Config::parse(
+            "c",
+            "[tools.t]\nrate = \"5/s\"\n[tools.u]\nrate = \"1/min\"\n",
+        )
+        .unwrap();
         assert_eq!(c.tools["t"].bucket.unwrap().burst, 5.0);
         assert_eq!(c.tools["u"].bucket.unwrap().burst, 1.0);
     }
@@ -852,7 +976,12 @@ min_calls = 100
 
     #[test]
     fn load_reports_missing_file() {
-        let e = Config::load(Path::new("/nonexistent/admitd.toml")).unwrap_err().to_string();
-        assert!(e.starts_with("/nonexistent/admitd.toml: cannot read"), "{e}");
+        let e = Config::load(Path::new("/nonexistent/admitd.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("/nonexistent/admitd.toml: cannot read"),
+            "{e}"
+        );
     }
 }

@@ -23,14 +23,19 @@ pub fn parse_rate(text: &str) -> Result<Rate, String> {
     let Some((num, unit)) = text.trim().split_once('/') else {
         return Err(format!("invalid rate {text:?}: {hint}"));
     };
-    let n: f64 = parse_positive(num.trim())
-        .ok_or_else(|| format!("invalid rate {text:?}: the count must be a positive number; {hint}"))?;
+    let n: f64 = parse_positive(num.trim()).ok_or_else(|| {
+        format!("invalid rate {text:?}: the count must be a positive number; {hint}")
+    })?;
     let secs = match unit.trim() {
         "s" => 1.0,
         "min" => 60.0,
         "h" => 3600.0,
         "day" => 86_400.0,
-        other => return Err(format!("invalid rate {text:?}: unknown unit {other:?}; {hint}")),
+        other => {
+            return Err(format!(
+                "invalid rate {text:?}: unknown unit {other:?}; {hint}"
+            ))
+        }
     };
     let per_sec = n / secs;
     if !(per_sec.is_finite() && per_sec > 0.0) {
@@ -43,20 +48,32 @@ pub fn parse_rate(text: &str) -> Result<Rate, String> {
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let hint = "write a duration as a number and a unit: ms, s, m, h or d (for example \"250ms\", \"2s\", \"5m\")";
     let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     if num.is_empty() {
         return Err(format!("invalid duration {text:?}: {hint}"));
     }
-    let n: f64 = num.parse().map_err(|_| format!("invalid duration {text:?}: {hint}"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {text:?}: {hint}"))?;
     let ms = match unit {
         "ms" => 1.0,
         "s" => 1_000.0,
         "m" => 60_000.0,
         "h" => 3_600_000.0,
         "d" => 86_400_000.0,
-        "" => return Err(format!("invalid duration {text:?}: the unit is missing; {hint}")),
-        other => return Err(format!("invalid duration {text:?}: unknown unit {other:?}; {hint}")),
+        "" => {
+            return Err(format!(
+                "invalid duration {text:?}: the unit is missing; {hint}"
+            ))
+        }
+        other => {
+            return Err(format!(
+                "invalid duration {text:?}: unknown unit {other:?}; {hint}"
+            ))
+        }
     };
     let total_ms = n * ms;
     if !total_ms.is_finite() || !(0.0..=1e13).contains(&total_ms) {
@@ -88,7 +105,9 @@ mod tests {
 
     #[test]
     fn bad_rates_are_errors_that_say_what_is_accepted() {
-        for bad in ["5/mins", "5", "/s", "-1/s", "0/s", "x/s", "5/", "1e3/s", "5/S", "inf/s"] {
+        for bad in [
+            "5/mins", "5", "/s", "-1/s", "0/s", "x/s", "5/", "1e3/s", "5/S", "inf/s",
+        ] {
             let err = parse_rate(bad).unwrap_err();
             assert!(err.contains("N/unit"), "{bad}: {err}");
         }

@@ -40,7 +40,11 @@ pub struct Gcra {
 impl Gcra {
     pub fn new(spec: BucketSpec) -> Self {
         let t = NS_PER_SEC as f64 / spec.rate.per_sec;
-        Gcra { t, burst: spec.burst, tau: (t * spec.burst).round() as u64 }
+        Gcra {
+            t,
+            burst: spec.burst,
+            tau: (t * spec.burst).round() as u64,
+        }
     }
 
     /// The nanoseconds `cost` tokens take to refill.
@@ -166,7 +170,10 @@ impl AtomicBucket {
                 return Take::Short { shortfall: short };
             }
             let next = cur.max(now).saturating_add(inc);
-            match self.tat.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+            match self
+                .tat
+                .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire)
+            {
                 Ok(_) => return Take::Ok { wait: short },
                 Err(actual) => cur = actual,
             }
@@ -180,7 +187,9 @@ impl AtomicBucket {
     pub fn refund(&self, inc: u64) {
         let _ = self
             .tat
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(t.saturating_sub(inc)));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                Some(t.saturating_sub(inc))
+            });
     }
 
     pub fn promise(&self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
@@ -206,10 +215,14 @@ impl AtomicBucket {
     pub fn rescale(&self, now: Nanos, old: &Gcra, new: &Gcra) {
         let _ = self
             .tat
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(rescale_instant(t, now, old, new)));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                Some(rescale_instant(t, now, old, new))
+            });
         let _ = self
             .promised
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(rescale_instant(t, now, old, new)));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                Some(rescale_instant(t, now, old, new))
+            });
     }
 }
 
@@ -232,12 +245,22 @@ mod tests {
             assert_eq!(b.take(&g, now, inc, 0), Take::Ok { wait: 0 });
             assert_eq!(b.remaining(&g, now), 19 - i);
         }
-        assert_eq!(b.take(&g, now, inc, 0), Take::Short { shortfall: 500 * NS_PER_MS });
+        assert_eq!(
+            b.take(&g, now, inc, 0),
+            Take::Short {
+                shortfall: 500 * NS_PER_MS
+            }
+        );
         // half a second later exactly one token is back
         let later = now + 500 * NS_PER_MS;
         assert_eq!(b.remaining(&g, later), 1);
         assert_eq!(b.take(&g, later, inc, 0), Take::Ok { wait: 0 });
-        assert_eq!(b.take(&g, later, inc, 0), Take::Short { shortfall: 500 * NS_PER_MS });
+        assert_eq!(
+            b.take(&g, later, inc, 0),
+            Take::Short {
+                shortfall: 500 * NS_PER_MS
+            }
+        );
         assert_eq!(b.reset_ns(later), 10 * NS_PER_SEC);
     }
 
@@ -248,12 +271,32 @@ mod tests {
         let now = NS_PER_SEC;
         let inc = g.increment(1.0);
         assert_eq!(b.take(&g, now, inc, 0), Take::Ok { wait: 0 });
-        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Ok { wait: 100 * NS_PER_MS });
-        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Ok { wait: 200 * NS_PER_MS });
-        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Short { shortfall: 300 * NS_PER_MS });
+        assert_eq!(
+            b.take(&g, now, inc, 250 * NS_PER_MS),
+            Take::Ok {
+                wait: 100 * NS_PER_MS
+            }
+        );
+        assert_eq!(
+            b.take(&g, now, inc, 250 * NS_PER_MS),
+            Take::Ok {
+                wait: 200 * NS_PER_MS
+            }
+        );
+        assert_eq!(
+            b.take(&g, now, inc, 250 * NS_PER_MS),
+            Take::Short {
+                shortfall: 300 * NS_PER_MS
+            }
+        );
         // cancelling the last hold gives its slot to the next caller
         b.refund(inc);
-        assert_eq!(b.take(&g, now, inc, 250 * NS_PER_MS), Take::Ok { wait: 200 * NS_PER_MS });
+        assert_eq!(
+            b.take(&g, now, inc, 250 * NS_PER_MS),
+            Take::Ok {
+                wait: 200 * NS_PER_MS
+            }
+        );
     }
 
     #[test]
@@ -277,7 +320,15 @@ mod tests {
             b.take(&g, 0, inc, 0);
         }
         let hints: Vec<u64> = (0..4).map(|_| b.promise(&g, 0, inc)).collect();
-        assert_eq!(hints, vec![500 * NS_PER_MS, 1000 * NS_PER_MS, 1500 * NS_PER_MS, 2000 * NS_PER_MS]);
+        assert_eq!(
+            hints,
+            vec![
+                500 * NS_PER_MS,
+                1000 * NS_PER_MS,
+                1500 * NS_PER_MS,
+                2000 * NS_PER_MS
+            ]
+        );
         assert!(!b.is_resting(0));
         // once the promised slots have passed and the bucket refilled, it is at rest again
         assert!(b.is_resting(12 * NS_PER_SEC));

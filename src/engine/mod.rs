@@ -12,7 +12,9 @@ pub mod tenant;
 pub mod types;
 
 pub use shared::SharedBudgets;
-pub use tenant::{AdmitRequest, AdmitResult, ReleaseInfo, Released, TenantEngine, TenantSnapshot, UnknownLease};
+pub use tenant::{
+    AdmitRequest, AdmitResult, ReleaseInfo, Released, TenantEngine, TenantSnapshot, UnknownLease,
+};
 pub use types::*;
 
 #[cfg(test)]

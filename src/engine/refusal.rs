@@ -38,9 +38,11 @@ const FORWARD: &str = "Meanwhile, continue with the results you already have, or
 /// The short operator-facing reason for a scope.
 pub fn reason(scope: Scope) -> &'static str {
     match scope {
-        Scope::Subject | Scope::SubjectTool | Scope::Tenant | Scope::TenantUpstream | Scope::Global => {
-            "rate limit reached"
-        }
+        Scope::Subject
+        | Scope::SubjectTool
+        | Scope::Tenant
+        | Scope::TenantUpstream
+        | Scope::Global => "rate limit reached",
         Scope::Concurrency => "too many calls in flight",
         Scope::DailyQuota => "daily quota used up",
         Scope::UpstreamPenalty => "upstream asked to slow down",
@@ -109,7 +111,13 @@ mod tests {
     use super::*;
 
     fn cx() -> RefusalContext<'static> {
-        RefusalContext { tool: "get_sales", upstream: Some("warehouse"), shared_upstream: false, cost: 1.0, limit: 20.0 }
+        RefusalContext {
+            tool: "get_sales",
+            upstream: Some("warehouse"),
+            shared_upstream: false,
+            cost: 1.0,
+            limit: 20.0,
+        }
     }
 
     #[test]
@@ -125,14 +133,20 @@ mod tests {
                 assert!(m.contains("same arguments; the arguments are fine"), "{m}");
                 assert!(m.contains("Do not retry sooner"), "{m}");
             }
-            assert!(m.contains("continue with the results you already have"), "{m}");
+            assert!(
+                m.contains("continue with the results you already have"),
+                "{m}"
+            );
         }
     }
 
     #[test]
     fn the_upstream_text_matches_the_contract_example() {
         let m = message(Scope::TenantUpstream, 4000, &cx());
-        assert!(m.starts_with("Rate limited by the warehouse quota for this account. Wait 4 seconds"), "{m}");
+        assert!(
+            m.starts_with("Rate limited by the warehouse quota for this account. Wait 4 seconds"),
+            "{m}"
+        );
         assert!(m.contains("Other tools that use warehouse share this quota."));
     }
 

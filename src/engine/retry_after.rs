@@ -37,17 +37,34 @@ mod tests {
 
     #[test]
     fn delay_seconds() {
-        assert_eq!(parse_retry_after("30", NOW).unwrap(), Duration::from_secs(30));
+        assert_eq!(
+            parse_retry_after("30", NOW).unwrap(),
+            Duration::from_secs(30)
+        );
         assert_eq!(parse_retry_after(" 0 ", NOW).unwrap(), Duration::ZERO);
-        assert_eq!(parse_retry_after("99999999999999999999999", NOW).unwrap(), MAX_PENALTY);
+        assert_eq!(
+            parse_retry_after("99999999999999999999999", NOW).unwrap(),
+            MAX_PENALTY
+        );
     }
 
     #[test]
     fn http_dates_in_all_three_forms() {
-        for v in ["Wed, 21 Oct 2026 07:28:00 GMT", "Wednesday, 21-Oct-26 07:28:00 GMT", "Wed Oct 21 07:28:00 2026"] {
-            assert_eq!(parse_retry_after(v, NOW).unwrap(), Duration::from_secs(30), "{v}");
+        for v in [
+            "Wed, 21 Oct 2026 07:28:00 GMT",
+            "Wednesday, 21-Oct-26 07:28:00 GMT",
+            "Wed Oct 21 07:28:00 2026",
+        ] {
+            assert_eq!(
+                parse_retry_after(v, NOW).unwrap(),
+                Duration::from_secs(30),
+                "{v}"
+            );
         }
-        assert_eq!(parse_retry_after("Wed, 21 Oct 2026 07:00:00 GMT", NOW).unwrap(), Duration::ZERO);
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2026 07:00:00 GMT", NOW).unwrap(),
+            Duration::ZERO
+        );
     }
 
     #[test]

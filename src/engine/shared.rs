@@ -45,7 +45,10 @@ pub struct SharedBudgets {
 
 impl SharedBudgets {
     pub fn new(cfg: &Config) -> Self {
-        let s = SharedBudgets { global: AtomicBucket::default(), upstreams: ArcSwap::from_pointee(HashMap::new()) };
+        let s = SharedBudgets {
+            global: AtomicBucket::default(),
+            upstreams: ArcSwap::from_pointee(HashMap::new()),
+        };
         s.rebuild_map(cfg);
         s
     }
@@ -58,7 +61,10 @@ impl SharedBudgets {
     /// Applies a new config: rescales the global bucket and every shared upstream bucket kept, creates the
     /// new ones and drops those no longer shared.
     pub fn reconfigure(&self, old: &Config, new: &Config, now: Nanos) {
-        let (og, ng) = (Gcra::new(old.limits.global.bucket), Gcra::new(new.limits.global.bucket));
+        let (og, ng) = (
+            Gcra::new(old.limits.global.bucket),
+            Gcra::new(new.limits.global.bucket),
+        );
         self.global.rescale(now, &og, &ng);
         for (name, up) in self.upstreams.load().iter() {
             let o = old.upstreams.get(&**name).and_then(|u| u.bucket);
@@ -84,7 +90,12 @@ impl SharedBudgets {
 
     /// Names and state of the shared upstreams, for snapshots.
     pub fn upstream_names(&self) -> Vec<(Arc<str>, Arc<SharedUpstream>)> {
-        let mut v: Vec<_> = self.upstreams.load().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut v: Vec<_> = self
+            .upstreams
+            .load()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }

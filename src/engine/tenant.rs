@@ -46,7 +46,10 @@ pub enum AdmitResult {
     Decided(Decision),
     /// No concurrency slot is free: the call waits in the tenant's queue. Its decision comes from a later
     /// `release`, `cancel_lease`, `expire` or `expire_waiters` call, by this id.
-    Queued { waiter: u64, deadline: Nanos },
+    Queued {
+        waiter: u64,
+        deadline: Nanos,
+    },
 }
 
 /// What a release reports.
@@ -259,7 +262,8 @@ impl TenantEngine {
         }
         let old = std::mem::replace(&mut self.policy, Policy::new(cfg, &self.tenant));
         let new = &self.policy;
-        self.tenant_bucket.rescale(now, &old.tenant_g, &new.tenant_g);
+        self.tenant_bucket
+            .rescale(now, &old.tenant_g, &new.tenant_g);
         for s in self.subjects.values_mut() {
             s.bucket.rescale(now, &old.subject_g, &new.subject_g);
             s.tools.retain_mut(|(tool, b)| {
@@ -295,40 +299,87 @@ impl TenantEngine {
             .upstream
             .clone()
             .or_else(|| tool.and_then(|t| t.upstream.as_deref()).map(Arc::from));
-        let cost = req.cost.or_else(|| tool.and_then(|t| t.cost)).unwrap_or(1.0);
-        Resolved { subject: req.subject.clone(), tool: req.tool.clone(), upstream, cost }
+        let cost = req
+            .cost
+            .or_else(|| tool.and_then(|t| t.cost))
+            .unwrap_or(1.0);
+        Resolved {
+            subject: req.subject.clone(),
+            tool: req.tool.clone(),
+            upstream,
+            cost,
+        }
     }
 
     fn plan(&self, r: &Resolved) -> Vec<LayerPlan> {
         let p = &self.policy;
         let mut v = Vec::with_capacity(5);
-        v.push(LayerPlan { layer: Layer::Subject, g: p.subject_g, shared: None });
+        v.push(LayerPlan {
+            layer: Layer::Subject,
+            g: p.subject_g,
+            shared: None,
+        });
         if let Some(b) = p.cfg.tools.get(&*r.tool).and_then(|t| t.bucket) {
-            v.push(LayerPlan { layer: Layer::SubjectTool, g: Gcra::new(b), shared: None });
+            v.push(LayerPlan {
+                layer: Layer::SubjectTool,
+                g: Gcra::new(b),
+                shared: None,
+            });
         }
-        v.push(LayerPlan { layer: Layer::Tenant, g: p.tenant_g, shared: None });
+        v.push(LayerPlan {
+            layer: Layer::Tenant,
+            g: p.tenant_g,
+            shared: None,
+        });
         if let Some(up) = &r.upstream {
             if let Some(u) = p.cfg.upstreams.get(&**up) {
                 if let Some(b) = u.bucket {
-                    let shared = if u.shared { self.shared.upstream(up) } else { None };
-                    v.push(LayerPlan { layer: Layer::TenantUpstream, g: Gcra::new(b), shared });
+                    let shared = if u.shared {
+                        self.shared.upstream(up)
+                    } else {
+                        None
+                    };
+                    v.push(LayerPlan {
+                        layer: Layer::TenantUpstream,
+                        g: Gcra::new(b),
+                        shared,
+                    });
                 }
             }
         }
-        v.push(LayerPlan { layer: Layer::Global, g: p.global_g, shared: None });
+        v.push(LayerPlan {
+            layer: Layer::Global,
+            g: p.global_g,
+            shared: None,
+        });
         v
     }
 
     fn is_shared_upstream(&self, upstream: Option<&str>) -> bool {
-        upstream.and_then(|u| self.policy.cfg.upstreams.get(u)).is_some_and(|u| u.shared)
+        upstream
+            .and_then(|u| self.policy.cfg.upstreams.get(u))
+            .is_some_and(|u| u.shared)
     }
 
     // ---- per-layer bucket access ----
 
-    fn take_layer(&mut self, lp: &LayerPlan, r: &Resolved, now: Nanos, inc: u64, max_wait: u64) -> Take {
+    fn take_layer(
+        &mut self,
+        lp: &LayerPlan,
+        r: &Resolved,
+        now: Nanos,
+        inc: u64,
+        max_wait: u64,
+    ) -> Take {
         match lp.layer {
-            Layer::Subject => self.subject_mut(&r.subject).bucket.take(&lp.g, now, inc, max_wait),
-            Layer::SubjectTool => self.subject_mut(&r.subject).tool_bucket(&r.tool).take(&lp.g, now, inc, max_wait),
+            Layer::Subject => self
+                .subject_mut(&r.subject)
+                .bucket
+                .take(&lp.g, now, inc, max_wait),
+            Layer::SubjectTool => self
+                .subject_mut(&r.subject)
+                .tool_bucket(&r.tool)
+                .take(&lp.g, now, inc, max_wait),
             Layer::Tenant => self.tenant_bucket.take(&lp.g, now, inc, max_wait),
             Layer::TenantUpstream => match &lp.shared {
                 Some(s) => s.bucket.take(&lp.g, now, inc, max_wait),
@@ -344,10 +395,17 @@ impl TenantEngine {
         }
         match layer {
             Layer::Subject => self.subject_mut(&r.subject).bucket.refund(inc),
-            Layer::SubjectTool => self.subject_mut(&r.subject).tool_bucket(&r.tool).refund(inc),
+            Layer::SubjectTool => self
+                .subject_mut(&r.subject)
+                .tool_bucket(&r.tool)
+                .refund(inc),
             Layer::Tenant => self.tenant_bucket.refund(inc),
             Layer::TenantUpstream => {
-                let shared = r.upstream.as_deref().filter(|u| self.is_shared_upstream(Some(u))).and_then(|u| self.shared.upstream(u));
+                let shared = r
+                    .upstream
+                    .as_deref()
+                    .filter(|u| self.is_shared_upstream(Some(u)))
+                    .and_then(|u| self.shared.upstream(u));
                 match shared {
                     Some(s) => s.bucket.refund(inc),
                     None => self.upstream_mut(r).bucket.refund(inc),
@@ -360,7 +418,10 @@ impl TenantEngine {
     fn promise_layer(&mut self, lp: &LayerPlan, r: &Resolved, now: Nanos, inc: u64) -> u64 {
         match lp.layer {
             Layer::Subject => self.subject_mut(&r.subject).bucket.promise(&lp.g, now, inc),
-            Layer::SubjectTool => self.subject_mut(&r.subject).tool_bucket(&r.tool).promise(&lp.g, now, inc),
+            Layer::SubjectTool => self
+                .subject_mut(&r.subject)
+                .tool_bucket(&r.tool)
+                .promise(&lp.g, now, inc),
             Layer::Tenant => self.tenant_bucket.promise(&lp.g, now, inc),
             Layer::TenantUpstream => match &lp.shared {
                 Some(s) => s.bucket.promise(&lp.g, now, inc),
@@ -374,7 +435,11 @@ impl TenantEngine {
     fn peek_layer(&self, lp: &LayerPlan, r: &Resolved, now: Nanos, inc: u64) -> (u64, u64, u64) {
         let local = |b: Option<&Bucket>| {
             let b = b.copied().unwrap_or_default();
-            (b.remaining(&lp.g, now), b.reset_ns(now), b.peek(&lp.g, now, inc))
+            (
+                b.remaining(&lp.g, now),
+                b.reset_ns(now),
+                b.peek(&lp.g, now, inc),
+            )
         };
         match lp.layer {
             Layer::Subject => local(self.subjects.get(&r.subject).map(|s| &s.bucket)),
@@ -385,12 +450,25 @@ impl TenantEngine {
             ),
             Layer::Tenant => local(Some(&self.tenant_bucket)),
             Layer::TenantUpstream => match &lp.shared {
-                Some(s) => (s.bucket.remaining(&lp.g, now), s.bucket.reset_ns(now), s.bucket.peek(&lp.g, now, inc)),
-                None => local(r.upstream.as_ref().and_then(|u| self.upstreams.get(u)).map(|u| &u.bucket)),
+                Some(s) => (
+                    s.bucket.remaining(&lp.g, now),
+                    s.bucket.reset_ns(now),
+                    s.bucket.peek(&lp.g, now, inc),
+                ),
+                None => local(
+                    r.upstream
+                        .as_ref()
+                        .and_then(|u| self.upstreams.get(u))
+                        .map(|u| &u.bucket),
+                ),
             },
             Layer::Global => {
                 let b = &self.shared.global;
-                (b.remaining(&lp.g, now), b.reset_ns(now), b.peek(&lp.g, now, inc))
+                (
+                    b.remaining(&lp.g, now),
+                    b.reset_ns(now),
+                    b.peek(&lp.g, now, inc),
+                )
             }
         }
     }
@@ -399,7 +477,13 @@ impl TenantEngine {
         plan.iter()
             .map(|lp| {
                 let (remaining, reset_ns, _) = self.peek_layer(lp, r, now, 0);
-                LayerState { layer: lp.layer, burst: lp.g.burst, window_secs: lp.g.window_secs(), remaining, reset_ns }
+                LayerState {
+                    layer: lp.layer,
+                    burst: lp.g.burst,
+                    window_secs: lp.g.window_secs(),
+                    remaining,
+                    reset_ns,
+                }
             })
             .collect()
     }
@@ -407,7 +491,8 @@ impl TenantEngine {
     fn subject_mut(&mut self, subject: &Arc<str>) -> &mut SubjectState {
         // `entry` would need an owned key on every lookup; most lookups hit.
         if !self.subjects.contains_key(subject) {
-            self.subjects.insert(subject.clone(), SubjectState::default());
+            self.subjects
+                .insert(subject.clone(), SubjectState::default());
         }
         self.subjects.get_mut(subject).expect("inserted above")
     }
@@ -433,14 +518,29 @@ impl TenantEngine {
         }
         if self.slots_free(&r.subject) {
             self.take_slots(&r.subject);
-            return AdmitResult::Decided(self.after_slots(r, &plan, now, wall_ms, req.max_wait_ns, 0));
+            return AdmitResult::Decided(self.after_slots(
+                r,
+                &plan,
+                now,
+                wall_ms,
+                req.max_wait_ns,
+                0,
+            ));
         }
         let enforce = self.policy.cfg.server.mode == Mode::Enforce;
         if enforce && req.max_wait_ns > 0 && self.waiters.len() < self.policy.cfg.server.max_queue {
             let id = self.next_id();
             let deadline = now.saturating_add(req.max_wait_ns);
-            self.waiters.push_back(Waiter { id, resolved: r, enqueued: now, deadline });
-            return AdmitResult::Queued { waiter: id, deadline };
+            self.waiters.push_back(Waiter {
+                id,
+                resolved: r,
+                enqueued: now,
+                deadline,
+            });
+            return AdmitResult::Queued {
+                waiter: id,
+                deadline,
+            };
         }
         let shed = self.concurrency_shed(&r);
         AdmitResult::Decided(self.refuse(r, &plan, shed, now))
@@ -448,8 +548,14 @@ impl TenantEngine {
 
     fn oversized(&self, r: &Resolved, plan: &[LayerPlan]) -> Option<Shed> {
         let limits = &self.policy.limits;
-        let mut limit = plan.iter().find(|lp| lp.g.oversized(r.cost)).map(|lp| lp.g.burst);
-        for q in [limits.subject.daily_quota, limits.tenant.daily_quota].into_iter().flatten() {
+        let mut limit = plan
+            .iter()
+            .find(|lp| lp.g.oversized(r.cost))
+            .map(|lp| lp.g.burst);
+        for q in [limits.subject.daily_quota, limits.tenant.daily_quota]
+            .into_iter()
+            .flatten()
+        {
             if r.cost > q && limit.is_none() {
                 limit = Some(q);
             }
@@ -502,11 +608,16 @@ impl TenantEngine {
     fn slots_free(&self, subject: &Arc<str>) -> bool {
         let l = &self.policy.limits;
         let subj = self.subjects.get(subject).map_or(0, |s| s.inflight);
-        l.subject.concurrency.is_none_or(|c| subj < c) && l.tenant.concurrency.is_none_or(|c| self.inflight < c)
+        l.subject.concurrency.is_none_or(|c| subj < c)
+            && l.tenant.concurrency.is_none_or(|c| self.inflight < c)
     }
 
     fn tenant_slot_free(&self) -> bool {
-        self.policy.limits.tenant.concurrency.is_none_or(|c| self.inflight < c)
+        self.policy
+            .limits
+            .tenant
+            .concurrency
+            .is_none_or(|c| self.inflight < c)
     }
 
     fn take_slots(&mut self, subject: &Arc<str>) {
@@ -522,7 +633,10 @@ impl TenantEngine {
     }
 
     fn concurrency_shed(&mut self, r: &Resolved) -> Shed {
-        let hint = self.hold_avg_ns.map_or(DEFAULT_HOLD_HINT_NS, |h| h as u64).clamp(100 * NS_PER_MS, 60 * NS_PER_SEC);
+        let hint = self
+            .hold_avg_ns
+            .map_or(DEFAULT_HOLD_HINT_NS, |h| h as u64)
+            .clamp(100 * NS_PER_MS, 60 * NS_PER_SEC);
         self.make_shed(r, Scope::Concurrency, hint)
     }
 
@@ -538,16 +652,29 @@ impl TenantEngine {
     ) -> Decision {
         let day = utc_day(wall_ms);
         let limits = self.policy.limits.clone();
-        let subj_used = self.subjects.get(&r.subject).map_or(0.0, |s| s.quota.used_on(day));
-        let over_subject = limits.subject.daily_quota.is_some_and(|q| subj_used + r.cost > q + 1e-9);
-        let over_tenant = limits.tenant.daily_quota.is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
+        let subj_used = self
+            .subjects
+            .get(&r.subject)
+            .map_or(0.0, |s| s.quota.used_on(day));
+        let over_subject = limits
+            .subject
+            .daily_quota
+            .is_some_and(|q| subj_used + r.cost > q + 1e-9);
+        let over_tenant = limits
+            .tenant
+            .daily_quota
+            .is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
         if over_subject || over_tenant {
             self.free_slots(&r.subject);
             let wait = ms_until_utc_midnight(wall_ms) * NS_PER_MS;
             let shed = self.make_shed(&r, Scope::DailyQuota, wait);
             return self.refuse(r, plan, shed, now);
         }
-        let mut charge = Charge { cost: r.cost, quota_day: day, ..Charge::default() };
+        let mut charge = Charge {
+            cost: r.cost,
+            quota_day: day,
+            ..Charge::default()
+        };
         if limits.subject.daily_quota.is_some() {
             self.subject_mut(&r.subject).quota.add(day, r.cost);
             charge.quota_subject = true;
@@ -571,7 +698,8 @@ impl TenantEngine {
                     self.free_slots(&r.subject);
                     let mut wait = self.promise_layer(lp, &r, now, inc);
                     for later in &plan[i + 1..] {
-                        wait = wait.max(self.peek_layer(later, &r, now, later.g.increment(r.cost)).2);
+                        wait =
+                            wait.max(self.peek_layer(later, &r, now, later.g.increment(r.cost)).2);
                     }
                     let shed = self.make_shed(&r, lp.layer.scope(), wait);
                     return self.refuse(r, plan, shed, now);
@@ -580,7 +708,9 @@ impl TenantEngine {
         }
 
         let lease = self.next_id();
-        let expires = now.saturating_add(hold).saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
+        let expires = now
+            .saturating_add(hold)
+            .saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
         self.leases.insert(
             lease,
             Lease {
@@ -613,7 +743,9 @@ impl TenantEngine {
             self.refund_layer(lp.layer, r, charge.incs[i]);
         }
         if charge.quota_subject {
-            self.subject_mut(&r.subject).quota.refund(charge.quota_day, charge.cost);
+            self.subject_mut(&r.subject)
+                .quota
+                .refund(charge.quota_day, charge.cost);
         }
         if charge.quota_tenant {
             self.quota.refund(charge.quota_day, charge.cost);
@@ -628,7 +760,8 @@ impl TenantEngine {
             Mode::Enforce => Verdict::Shed(shed),
             Mode::Shadow => {
                 let lease = self.next_id();
-                let expires = now.saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
+                let expires =
+                    now.saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
                 self.leases.insert(
                     lease,
                     Lease {
@@ -642,16 +775,32 @@ impl TenantEngine {
                     },
                 );
                 self.expiries.push(Reverse((expires, lease)));
-                Verdict::Admitted(Admitted { lease, hold_ns: 0, queued_ns: 0, mode: Mode::Shadow, would_shed: Some(shed) })
+                Verdict::Admitted(Admitted {
+                    lease,
+                    hold_ns: 0,
+                    queued_ns: 0,
+                    mode: Mode::Shadow,
+                    would_shed: Some(shed),
+                })
             }
         };
-        Decision { verdict, resolved: r, layers }
+        Decision {
+            verdict,
+            resolved: r,
+            layers,
+        }
     }
 
     // ---- after admission ----
 
     /// Ends a lease: frees its slot, records how long it was held and starts a penalty on a 429.
-    pub fn release(&mut self, lease: u64, info: &ReleaseInfo, now: Nanos, wall_ms: i64) -> Result<Released, UnknownLease> {
+    pub fn release(
+        &mut self,
+        lease: u64,
+        info: &ReleaseInfo,
+        now: Nanos,
+        wall_ms: i64,
+    ) -> Result<Released, UnknownLease> {
         self.last_active = now;
         let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
         if l.slots {
@@ -662,7 +811,8 @@ impl TenantEngine {
                 None => held,
             });
         }
-        let rate_limited = info.outcome == Outcome::UpstreamRateLimited || info.upstream_status == Some(429);
+        let rate_limited =
+            info.outcome == Outcome::UpstreamRateLimited || info.upstream_status == Some(429);
         let penalty = match (&l.upstream, rate_limited) {
             (Some(up), true) => {
                 let d = info.retry_after.unwrap_or(Duration::from_secs(1));
@@ -672,15 +822,31 @@ impl TenantEngine {
             _ => None,
         };
         let granted = self.pump(now, wall_ms);
-        Ok(Released { subject: l.subject, tool: l.tool, upstream: l.upstream, penalty, granted })
+        Ok(Released {
+            subject: l.subject,
+            tool: l.tool,
+            upstream: l.upstream,
+            penalty,
+            granted,
+        })
     }
 
     /// Gives back everything a held call took, because its caller went away before the hold ended.
     /// Returns the decisions of queued calls that got the freed slot.
-    pub fn cancel_lease(&mut self, lease: u64, now: Nanos, wall_ms: i64) -> Result<Vec<(u64, Decision)>, UnknownLease> {
+    pub fn cancel_lease(
+        &mut self,
+        lease: u64,
+        now: Nanos,
+        wall_ms: i64,
+    ) -> Result<Vec<(u64, Decision)>, UnknownLease> {
         let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
         if let Some(charge) = &l.charge {
-            let r = Resolved { subject: l.subject.clone(), tool: l.tool.clone(), upstream: l.upstream.clone(), cost: charge.cost };
+            let r = Resolved {
+                subject: l.subject.clone(),
+                tool: l.tool.clone(),
+                upstream: l.upstream.clone(),
+                cost: charge.cost,
+            };
             let plan = self.plan(&r);
             self.undo_charge(&r, &plan, charge);
         }
@@ -702,7 +868,13 @@ impl TenantEngine {
     }
 
     /// An upstream answer seen outside a lease. Returns the penalty started, if any.
-    pub fn feedback(&mut self, upstream: &Arc<str>, status: u16, retry_after: Option<Duration>, now: Nanos) -> Option<Duration> {
+    pub fn feedback(
+        &mut self,
+        upstream: &Arc<str>,
+        status: u16,
+        retry_after: Option<Duration>,
+        now: Nanos,
+    ) -> Option<Duration> {
         self.last_active = now;
         if status == 429 {
             let d = retry_after.unwrap_or(Duration::from_secs(1));
@@ -741,10 +913,19 @@ impl TenantEngine {
                 i += 1;
                 continue;
             }
-            let Some(w) = self.waiters.remove(i) else { break };
+            let Some(w) = self.waiters.remove(i) else {
+                break;
+            };
             self.take_slots(&w.resolved.subject);
             let plan = self.plan(&w.resolved);
-            let d = self.after_slots(w.resolved, &plan, now, wall_ms, w.deadline - now, now - w.enqueued);
+            let d = self.after_slots(
+                w.resolved,
+                &plan,
+                now,
+                wall_ms,
+                w.deadline - now,
+                now - w.enqueued,
+            );
             out.push((w.id, d));
         }
         out
@@ -776,7 +957,14 @@ impl TenantEngine {
     /// Expires leases past their TTL, freeing their slots. Returns the expired leases' (subject, tool,
     /// upstream) and the decisions of queued calls that got a slot.
     #[allow(clippy::type_complexity)]
-    pub fn expire_leases(&mut self, now: Nanos, wall_ms: i64) -> (Vec<(Arc<str>, Arc<str>, Option<Arc<str>>)>, Vec<(u64, Decision)>) {
+    pub fn expire_leases(
+        &mut self,
+        now: Nanos,
+        wall_ms: i64,
+    ) -> (
+        Vec<(Arc<str>, Arc<str>, Option<Arc<str>>)>,
+        Vec<(u64, Decision)>,
+    ) {
         let mut expired = Vec::new();
         while let Some(Reverse((at, id))) = self.expiries.peek().copied() {
             if at > now {
@@ -794,9 +982,17 @@ impl TenantEngine {
         }
         // Leases released early leave stale heap entries behind; rebuild when they dominate.
         if self.expiries.len() > 64 && self.expiries.len() > 4 * self.leases.len() {
-            self.expiries = self.leases.iter().map(|(id, l)| Reverse((l.expires, *id))).collect();
+            self.expiries = self
+                .leases
+                .iter()
+                .map(|(id, l)| Reverse((l.expires, *id)))
+                .collect();
         }
-        let granted = if expired.is_empty() { Vec::new() } else { self.pump(now, wall_ms) };
+        let granted = if expired.is_empty() {
+            Vec::new()
+        } else {
+            self.pump(now, wall_ms)
+        };
         (expired, granted)
     }
 
@@ -804,7 +1000,8 @@ impl TenantEngine {
     pub fn prune(&mut self, now: Nanos, wall_ms: i64) {
         let day = utc_day(wall_ms);
         self.subjects.retain(|_, s| !s.is_resting(now, day));
-        self.upstreams.retain(|_, u| !(u.bucket.is_resting(now) && u.penalty_until <= now));
+        self.upstreams
+            .retain(|_, u| !(u.bucket.is_resting(now) && u.penalty_until <= now));
         if self.quota.is_resting(day) {
             self.quota = QuotaCounter::default();
         }
@@ -819,7 +1016,10 @@ impl TenantEngine {
             && self.tenant_bucket.is_resting(now)
             && self.quota.is_resting(day)
             && self.subjects.values().all(|s| s.is_resting(now, day))
-            && self.upstreams.values().all(|u| u.bucket.is_resting(now) && u.penalty_until <= now)
+            && self
+                .upstreams
+                .values()
+                .all(|u| u.bucket.is_resting(now) && u.penalty_until <= now)
     }
 
     pub fn last_active(&self) -> Nanos {
@@ -850,15 +1050,30 @@ impl TenantEngine {
             rate_per_sec: NS_PER_SEC as f64 / g.t,
             reset_ms: ceil_ms(b.reset_ns(now)),
         };
-        let mut buckets = vec![bucket(Layer::Tenant, self.tenant.to_string(), &p.tenant_g, &self.tenant_bucket)];
+        let mut buckets = vec![bucket(
+            Layer::Tenant,
+            self.tenant.to_string(),
+            &p.tenant_g,
+            &self.tenant_bucket,
+        )];
         let mut subjects: Vec<_> = self.subjects.iter().collect();
         subjects.sort_by(|a, b| a.0.cmp(b.0));
         let mut subject_snaps = Vec::new();
         for (name, s) in &subjects {
-            buckets.push(bucket(Layer::Subject, name.to_string(), &p.subject_g, &s.bucket));
+            buckets.push(bucket(
+                Layer::Subject,
+                name.to_string(),
+                &p.subject_g,
+                &s.bucket,
+            ));
             for (tool, b) in &s.tools {
                 if let Some(spec) = p.cfg.tools.get(&**tool).and_then(|t| t.bucket) {
-                    buckets.push(bucket(Layer::SubjectTool, format!("{name}/{tool}"), &Gcra::new(spec), b));
+                    buckets.push(bucket(
+                        Layer::SubjectTool,
+                        format!("{name}/{tool}"),
+                        &Gcra::new(spec),
+                        b,
+                    ));
                 }
             }
             subject_snaps.push(SubjectSnapshot {
@@ -873,21 +1088,38 @@ impl TenantEngine {
         for (name, u) in ups {
             if let Some(spec) = p.cfg.upstreams.get(&**name).and_then(|x| x.bucket) {
                 if !self.is_shared_upstream(Some(name)) {
-                    buckets.push(bucket(Layer::TenantUpstream, name.to_string(), &Gcra::new(spec), &u.bucket));
+                    buckets.push(bucket(
+                        Layer::TenantUpstream,
+                        name.to_string(),
+                        &Gcra::new(spec),
+                        &u.bucket,
+                    ));
                 }
             }
             if u.penalty_until > now {
-                penalties.push(PenaltySnapshot { upstream: name.to_string(), shared: false, retry_after_ms: ceil_ms(u.penalty_until - now) });
+                penalties.push(PenaltySnapshot {
+                    upstream: name.to_string(),
+                    shared: false,
+                    retry_after_ms: ceil_ms(u.penalty_until - now),
+                });
             }
         }
         for (name, s) in self.shared.upstream_names() {
             if s.penalty_until() > now {
-                penalties.push(PenaltySnapshot { upstream: name.to_string(), shared: true, retry_after_ms: ceil_ms(s.penalty_until() - now) });
+                penalties.push(PenaltySnapshot {
+                    upstream: name.to_string(),
+                    shared: true,
+                    retry_after_ms: ceil_ms(s.penalty_until() - now),
+                });
             }
         }
         TenantSnapshot {
             tenant: self.tenant.to_string(),
-            plan: p.cfg.tenants.get(&*self.tenant).and_then(|t| t.plan.clone()),
+            plan: p
+                .cfg
+                .tenants
+                .get(&*self.tenant)
+                .and_then(|t| t.plan.clone()),
             mode: p.cfg.server.mode.as_str(),
             inflight: self.inflight,
             waiting: self.waiters.len(),

@@ -144,7 +144,13 @@ pub struct Decision {
 impl Decision {
     /// The tightest layer: the fewest whole tokens left (ties go to the earlier layer).
     pub fn tightest(&self) -> Option<&LayerState> {
-        self.layers.iter().reduce(|best, l| if l.remaining < best.remaining { l } else { best })
+        self.layers.iter().reduce(|best, l| {
+            if l.remaining < best.remaining {
+                l
+            } else {
+                best
+            }
+        })
     }
 
     pub fn is_admitted(&self) -> bool {

@@ -81,9 +81,19 @@ pub struct FeedbackEvent {
 /// State changes and samples from the actors.
 #[derive(Debug, Clone)]
 pub enum TenantEvent {
-    LeaseExpired { tenant: Arc<str>, subject: Arc<str>, tool: Arc<str>, upstream: Option<Arc<str>> },
-    Gauges { tenant: Arc<str>, inflight: u32 },
-    Global { tenants: usize },
+    LeaseExpired {
+        tenant: Arc<str>,
+        subject: Arc<str>,
+        tool: Arc<str>,
+        upstream: Option<Arc<str>>,
+    },
+    Gauges {
+        tenant: Arc<str>,
+        inflight: u32,
+    },
+    Global {
+        tenants: usize,
+    },
 }
 
 /// Everything a telemetry sink may receive.
@@ -110,7 +120,10 @@ impl Telemetry {
     }
 
     pub fn with_sinks(sinks: Vec<Recipient<Event>>) -> Self {
-        Telemetry { sinks: Arc::new(sinks), dropped: Arc::new(AtomicU64::new(0)) }
+        Telemetry {
+            sinks: Arc::new(sinks),
+            dropped: Arc::new(AtomicU64::new(0)),
+        }
     }
 
     fn offer(&self, ev: Event) {

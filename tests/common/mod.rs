@@ -1,0 +1,188 @@
+//! Black-box harness: runs the real `admitd` binary on a free port and talks to it over HTTP, the way a
+//! stranger's client would.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use reqwest::blocking::Client;
+use serde_json::Value;
+
+pub struct Daemon {
+    pub child: Child,
+    pub addr: String,
+    pub client: Client,
+    pub log: Arc<Mutex<Vec<String>>>,
+    pub config: Option<tempfile::NamedTempFile>,
+}
+
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+}
+
+impl Answer {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    }
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_admitd")
+}
+
+impl Daemon {
+    /// Starts the daemon on built-in defaults.
+    pub fn start_default() -> Daemon {
+        Self::spawn(None)
+    }
+
+    /// Starts the daemon with this config text.
+    pub fn start(config: &str) -> Daemon {
+        let mut f = tempfile::Builder::new()
+            .suffix(".toml")
+            .tempfile()
+            .expect("temp config");
+        f.write_all(config.as_bytes()).expect("write config");
+        Self::spawn(Some(f))
+    }
+
+    fn spawn(config: Option<tempfile::NamedTempFile>) -> Daemon {
+        let mut cmd = Command::new(bin());
+        cmd.arg("serve").arg("--listen").arg("127.0.0.1:0");
+        if let Some(f) = &config {
+            cmd.arg("--config").arg(f.path());
+        }
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .env("ADMITD_LOG", "info");
+        let mut child = cmd.spawn().expect("spawn admitd");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("admitd listening on ") {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(rest.trim().to_string());
+                    }
+                }
+                log2.lock().unwrap().push(line);
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("admitd did not start; log: {:?}", log.lock().unwrap());
+            }
+        };
+        let client = Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .expect("client");
+        Daemon {
+            child,
+            addr,
+            client,
+            log,
+            config,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn post(&self, path: &str, body: Value) -> Answer {
+        self.post_raw(path, "application/json", body.to_string().into_bytes())
+    }
+
+    pub fn post_raw(&self, path: &str, content_type: &str, body: Vec<u8>) -> Answer {
+        let r = self
+            .client
+            .post(self.url(path))
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+            .expect("request");
+        Self::answer(r)
+    }
+
+    pub fn get(&self, path: &str) -> Answer {
+        Self::answer(self.client.get(self.url(path)).send().expect("request"))
+    }
+
+    fn answer(r: reqwest::blocking::Response) -> Answer {
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let text = r.text().unwrap_or_default();
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Answer {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub fn admit(&self, body: Value) -> Answer {
+        self.post("/v1/admit", body)
+    }
+
+    pub fn release(&self, lease: &str) -> Answer {
+        self.post(
+            "/v1/release",
+            serde_json::json!({"lease_id": lease, "outcome": "ok"}),
+        )
+    }
+
+    /// Rewrites the config file in place (for reload tests).
+    pub fn rewrite_config(&self, text: &str) {
+        let path = self.config.as_ref().expect("started with a config").path();
+        std::fs::write(path, text).expect("rewrite config");
+    }
+
+    pub fn config_path(&self) -> String {
+        self.config
+            .as_ref()
+            .expect("config")
+            .path()
+            .display()
+            .to_string()
+    }
+
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until `f` is true, polling, for at most `limit`.
+pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}

@@ -1,0 +1,558 @@
+//! The v1 wire contract, exercised over HTTP against the real binary.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::{eventually, Daemon};
+use serde_json::{json, Value};
+
+fn call(tenant: &str, subject: &str, tool: &str) -> Value {
+    json!({"tenant": tenant, "subject": subject, "tool": tool, "max_wait_ms": 0})
+}
+
+#[test]
+fn admit_release_shed_walkthrough() {
+    let d = Daemon::start_default();
+    let a = d.admit(
+        json!({"tenant": "acme", "subject": "acme-bot", "tool": "get_sales", "call_id": "c-17"}),
+    );
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.body["admitted"], true);
+    assert_eq!(a.body["mode"], "enforce");
+    assert_eq!(a.body["waited_ms"], 0);
+    assert_eq!(a.body["remaining"], 19);
+    assert_eq!(a.body["limit"], 20);
+    let reset = a.body["reset_ms"].as_u64().unwrap();
+    assert!((400..=500).contains(&reset), "reset_ms {reset}");
+    assert_eq!(
+        a.header("content-type").as_deref(),
+        Some("application/json")
+    );
+    assert_eq!(
+        a.header("ratelimit-policy").as_deref(),
+        Some("\"subject\";q=20;w=10, \"tenant\";q=50;w=5, \"global\";q=5000;w=1")
+    );
+    assert_eq!(
+        a.header("ratelimit").as_deref(),
+        Some("\"subject\";r=19;t=1")
+    );
+    assert!(a.header("retry-after").is_none());
+
+    let lease = a.body["lease_id"].as_str().unwrap().to_string();
+    let r = d.release(&lease);
+    assert_eq!((r.status, r.body.clone()), (200, json!({"released": true})));
+    let again = d.release(&lease);
+    assert_eq!(again.status, 404);
+    assert_eq!(again.body["error"], "unknown_lease");
+    assert!(again.body["message"].as_str().unwrap().len() > 10);
+
+    // Burn the rest of the subject's burst, then get shed.
+    for _ in 0..19 {
+        let a = d.admit(call("acme", "acme-bot", "get_sales"));
+        assert_eq!(a.status, 200);
+        d.release(a.body["lease_id"].as_str().unwrap());
+    }
+    let s = d.admit(call("acme", "acme-bot", "get_sales"));
+    assert_eq!(s.status, 429, "{:?}", s.body);
+    assert_eq!(s.body["admitted"], false);
+    assert_eq!(s.body["scope"], "subject");
+    assert_eq!(s.body["retryable"], true);
+    let ms = s.body["retry_after_ms"].as_u64().unwrap();
+    assert!((1..=600).contains(&ms), "retry_after_ms {ms}");
+    assert_eq!(s.header("retry-after").as_deref(), Some("1"));
+    assert_eq!(
+        s.header("ratelimit")
+            .as_deref()
+            .map(|h| h.starts_with("\"subject\";r=0;")),
+        Some(true)
+    );
+    let tr = &s.body["tool_result"];
+    assert_eq!(tr["isError"], true);
+    assert_eq!(tr["structuredContent"]["scope"], "subject");
+    assert_eq!(tr["structuredContent"]["retry_after_ms"].as_u64(), Some(ms));
+    let text = tr["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains("Wait 1 second"), "{text}");
+    assert!(text.contains("same arguments"), "{text}");
+    assert!(text.contains("Do not retry sooner"), "{text}");
+    assert!(
+        !text.contains("acme"),
+        "names the tenant or subject: {text}"
+    );
+
+    // Another subject of the same tenant is unaffected.
+    assert_eq!(d.admit(call("acme", "other-bot", "get_sales")).status, 200);
+}
+
+#[test]
+fn oversized_is_not_retryable_and_has_no_retry_after() {
+    let d = Daemon::start_default();
+    let s = d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "cost": 21}));
+    assert_eq!(s.status, 429);
+    assert_eq!(s.body["scope"], "oversized");
+    assert_eq!(s.body["retryable"], false);
+    assert_eq!(s.body["retry_after_ms"], 0);
+    assert!(s.header("retry-after").is_none());
+    let text = s.body["tool_result"]["content"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert!(text.contains("smaller"), "{text}");
+    // and it spent nothing
+    let a = d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "cost": 20}));
+    assert_eq!(a.status, 200, "{:?}", a.body);
+}
+
+#[test]
+fn bad_input_is_a_clear_4xx_and_loses_no_state() {
+    let d = Daemon::start_default();
+    let held = d.admit(call("acme", "bot", "t"));
+    assert_eq!(held.status, 200);
+    let lease = held.body["lease_id"].as_str().unwrap().to_string();
+    let remaining = held.body["remaining"].as_u64().unwrap();
+
+    let long = "x".repeat(129);
+    let cases: Vec<(&str, &str, Vec<u8>)> = vec![
+        ("/v1/admit", "application/json", b"{not json".to_vec()),
+        ("/v1/admit", "application/json", b"".to_vec()),
+        ("/v1/admit", "application/json", b"[1,2]".to_vec()),
+        ("/v1/admit", "text/plain", call("acme", "bot", "t").to_string().into_bytes()),
+        ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"bot"}"#.to_vec()),
+        ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"b\u0007ot","tool":"t"}"#.to_vec()),
+        ("/v1/admit", "application/json", json!({"tenant": long, "subject": "s", "tool": "t"}).to_string().into_bytes()),
+        ("/v1/admit", "application/json", br#"{"tenant":"","subject":"s","tool":"t"}"#.to_vec()),
+        ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"bot","tool":"t","cost":-1}"#.to_vec()),
+        ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"bot","tool":"t","cost":0}"#.to_vec()),
+        ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"bot","tool":"t","cost":"1"}"#.to_vec()),
+        ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"bot","tool":"t","cost":1e999}"#.to_vec()),
+        ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"bot","tool":"t","max_wait_ms":-5}"#.to_vec()),
+        ("/v1/admit", "application/json", br#"{"tenant":7,"subject":"bot","tool":"t"}"#.to_vec()),
+        ("/v1/release", "application/json", json!({"lease_id": lease, "outcome": "done"}).to_string().into_bytes()),
+        ("/v1/release", "application/json", json!({"lease_id": lease}).to_string().into_bytes()),
+        ("/v1/release", "application/json", json!({"lease_id": lease, "outcome": "ok", "retry_after": "soon"}).to_string().into_bytes()),
+        ("/v1/release", "application/json", json!({"lease_id": lease, "outcome": "ok", "upstream_status": 1000}).to_string().into_bytes()),
+        ("/v1/release", "application/json", json!({"lease_id": lease, "outcome": "ok", "duration_ms": -3}).to_string().into_bytes()),
+        ("/v1/feedback", "application/json", json!({"tenant": "acme", "upstream": "u", "status": "429"}).to_string().into_bytes()),
+        ("/v1/feedback", "application/json", json!({"tenant": "acme", "upstream": "u\n", "status": 429}).to_string().into_bytes()),
+        ("/v1/feedback", "application/json", json!({"tenant": "acme", "upstream": "u", "status": 429, "retry_after": "yesterday-ish"}).to_string().into_bytes()),
+    ];
+    for (path, ct, body) in cases {
+        let shown = String::from_utf8_lossy(&body)
+            .chars()
+            .take(80)
+            .collect::<String>();
+        let a = d.post_raw(path, ct, body);
+        assert_eq!(a.status, 400, "{path} {shown}: {:?}", a.body);
+        assert_eq!(a.body["error"], "invalid_request", "{path} {shown}");
+        let msg = a.body["message"].as_str().unwrap_or("");
+        assert!(msg.len() > 10, "{path} {shown}: message {msg:?}");
+    }
+
+    // Bodies over 64 KiB: declared, and streamed without a length.
+    let big = format!(
+        "{{\"tenant\":\"acme\",\"subject\":\"bot\",\"tool\":\"t\",\"pad\":\"{}\"}}",
+        "x".repeat(70_000)
+    );
+    let a = d.post_raw("/v1/admit", "application/json", big.clone().into_bytes());
+    assert_eq!(
+        (a.status, a.body["error"].as_str()),
+        (413, Some("body_too_large"))
+    );
+    let chunked = reqwest::blocking::Body::new(std::io::Cursor::new(big.into_bytes()));
+    let r = d
+        .client
+        .post(d.url("/v1/admit"))
+        .header("content-type", "application/json")
+        .body(chunked)
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+
+    // Nothing above changed the state: the lease is still live, the bucket untouched.
+    let snap = d.get("/v1/tenants/acme");
+    assert_eq!(snap.status, 200);
+    assert_eq!(snap.body["inflight"], 1);
+    assert_eq!(d.release(&lease).status, 200);
+    let next = d.admit(call("acme", "bot", "t"));
+    assert_eq!(next.status, 200);
+    assert!(next.body["remaining"].as_u64().unwrap() + 1 >= remaining);
+}
+
+#[test]
+fn operations_routes() {
+    let d = Daemon::start_default();
+    let h = d.get("/healthz");
+    assert_eq!(h.status, 200);
+    let r = d.get("/readyz");
+    assert_eq!((r.status, r.body["ready"].as_bool()), (200, Some(true)));
+    let n = d.get("/v1/tenants/nobody");
+    assert_eq!(
+        (n.status, n.body["error"].as_str()),
+        (404, Some("unknown_tenant"))
+    );
+    let bad = d.get("/v1/tenants/%ff");
+    assert_eq!(bad.status, 400);
+    let nf = d.get("/v1/nothing");
+    assert_eq!(
+        (nf.status, nf.body["error"].as_str()),
+        (404, Some("not_found"))
+    );
+    let m = d.get("/v1/admit");
+    assert_eq!(m.status, 405);
+    assert_eq!(m.header("allow").as_deref(), Some("POST"));
+
+    let a = d.admit(call("acme corp", "bot", "t"));
+    assert_eq!(a.status, 200);
+    let s = d.get("/v1/tenants/acme%20corp");
+    assert_eq!(s.status, 200, "{:?}", s.body);
+    assert_eq!(s.body["tenant"], "acme corp");
+    assert_eq!(s.body["inflight"], 1);
+    let buckets = s.body["buckets"].as_array().unwrap();
+    let subject = buckets
+        .iter()
+        .find(|b| b["layer"] == "subject" && b["key"] == "bot")
+        .expect("subject bucket");
+    assert_eq!(subject["tokens"], 19);
+    assert!(buckets.iter().any(|b| b["layer"] == "tenant"));
+    assert!(s.body["penalties"].as_array().unwrap().is_empty());
+
+    // Without a config file there is nothing to reload.
+    let rl = d.post("/v1/admin/reload", json!({}));
+    assert_eq!(
+        (rl.status, rl.body["error"].as_str()),
+        (409, Some("no_config_file"))
+    );
+}
+
+const UPSTREAMS: &str = r#"
+[upstreams.warehouse]
+rate = "20/s"
+burst = 20
+
+[upstreams.crm]
+rate = "20/s"
+burst = 20
+shared = true
+
+[tools.get_sales]
+cost = 2
+upstream = "warehouse"
+"#;
+
+#[test]
+fn upstream_429_puts_the_upstream_in_the_penalty_box() {
+    let d = Daemon::start(UPSTREAMS);
+    let a = d.admit(call("acme", "bot", "get_sales"));
+    assert_eq!(a.status, 200);
+    assert!(a
+        .header("ratelimit-policy")
+        .unwrap()
+        .contains("\"tenant_upstream\";q=20;w=1"));
+    let r = d.post(
+        "/v1/release",
+        json!({"lease_id": a.body["lease_id"], "outcome": "upstream_rate_limited", "upstream_status": 429, "retry_after": "3", "duration_ms": 120}),
+    );
+    assert_eq!(r.status, 200);
+    let s = d.admit(call("acme", "bot", "get_sales"));
+    assert_eq!(s.status, 429);
+    assert_eq!(s.body["scope"], "upstream_penalty");
+    let ms = s.body["retry_after_ms"].as_u64().unwrap();
+    assert!((2_000..=3_200).contains(&ms), "{ms}");
+    let ra = s.header("retry-after").unwrap();
+    assert!(ra == "3" || ra == "4", "Retry-After {ra}");
+    assert!(s.body["tool_result"]["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .contains("warehouse"));
+    // other tenants keep their own warehouse budget, and other upstreams are fine
+    assert_eq!(d.admit(call("globex", "bot", "get_sales")).status, 200);
+    assert_eq!(
+        d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "other", "max_wait_ms": 0}))
+            .status,
+        200
+    );
+    let snap = d.get("/v1/tenants/acme");
+    assert_eq!(snap.body["penalties"][0]["upstream"], "warehouse");
+
+    // A shared upstream's penalty, via feedback with an HTTP-date, hits every tenant.
+    let when = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(5));
+    let f = d.post(
+        "/v1/feedback",
+        json!({"tenant": "acme", "upstream": "crm", "status": 429, "retry_after": when}),
+    );
+    assert_eq!((f.status, f.body.clone()), (202, json!({"accepted": true})));
+    for tenant in ["acme", "initech"] {
+        let s = d.admit(json!({"tenant": tenant, "subject": "x", "tool": "sync", "upstream": "crm", "max_wait_ms": 0}));
+        assert_eq!(s.status, 429, "{tenant}");
+        assert_eq!(s.body["scope"], "upstream_penalty");
+        let ms = s.body["retry_after_ms"].as_u64().unwrap();
+        assert!((3_000..=5_300).contains(&ms), "{ms}");
+    }
+    // Feedback that is not a 429 starts nothing.
+    let f = d.post(
+        "/v1/feedback",
+        json!({"tenant": "umbrella", "upstream": "warehouse", "status": 200}),
+    );
+    assert_eq!(f.status, 202);
+    assert_eq!(d.admit(call("umbrella", "bot", "get_sales")).status, 200);
+}
+
+#[test]
+fn penalty_ends_when_retry_after_passes() {
+    let d = Daemon::start(UPSTREAMS);
+    let a = d.admit(call("acme", "bot", "get_sales"));
+    let r = d.post(
+        "/v1/release",
+        json!({"lease_id": a.body["lease_id"], "outcome": "ok", "upstream_status": 429}),
+    );
+    assert_eq!(r.status, 200);
+    // default penalty is one second
+    assert_eq!(
+        d.admit(call("acme", "bot", "get_sales")).body["scope"],
+        "upstream_penalty"
+    );
+    std::thread::sleep(Duration::from_millis(1_300));
+    assert_eq!(d.admit(call("acme", "bot", "get_sales")).status, 200);
+}
+
+#[test]
+fn a_short_shortfall_is_held_instead_of_shed() {
+    let d = Daemon::start("[limits.subject]\nrate = \"10/s\"\nburst = 1\n");
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+    let t = Instant::now();
+    let a = d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 1000}));
+    let took = t.elapsed();
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let waited = a.body["waited_ms"].as_u64().unwrap();
+    assert!((60..=100).contains(&waited), "waited_ms {waited}");
+    assert!(took >= Duration::from_millis(60), "{took:?}");
+    // a caller that cannot wait that long is shed
+    let s = d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 10}));
+    assert_eq!(s.status, 429);
+}
+
+/// Sends an admit on a raw socket and closes it before the answer.
+fn admit_and_hang_up(d: &Daemon, body: Value, after: Duration) {
+    let mut s = TcpStream::connect(&d.addr).unwrap();
+    let body = body.to_string();
+    write!(s, "POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}", body.len(), body).unwrap();
+    std::thread::sleep(after);
+    s.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
+    let mut buf = [0u8; 16];
+    assert!(
+        s.read(&mut buf).is_err(),
+        "the call was answered before the hang-up; the test needs a longer hold"
+    );
+    drop(s);
+}
+
+#[test]
+fn a_caller_that_hangs_up_during_a_hold_spends_nothing() {
+    // One token a second, so the second call is held about a second.
+    let d =
+        Daemon::start("[server]\nmax_wait = \"5s\"\n[limits.subject]\nrate = \"1/s\"\nburst = 1\n");
+    let start = Instant::now();
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+    admit_and_hang_up(
+        &d,
+        json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 3000}),
+        Duration::from_millis(250),
+    );
+    // Once the next token is minted (1 s after the first call), it must still be there: the abandoned
+    // call gave its reservation back. Had it kept it, this call would be shed until 2 s.
+    let due = Duration::from_millis(1_300);
+    if let Some(rest) = due.checked_sub(start.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    let a = d.admit(call("t", "s", "x"));
+    assert_eq!(
+        a.status, 200,
+        "the abandoned hold kept its token: {:?}",
+        a.body
+    );
+}
+
+#[test]
+fn concurrency_slots_queue_fifo_and_expire_with_the_lease_ttl() {
+    let d = Daemon::start("[server]\nlease_ttl = \"1s\"\n[limits.subject]\nconcurrency = 1\n");
+    let first = d.admit(call("t", "s", "x"));
+    assert_eq!(first.status, 200);
+    // no wait allowed: shed by concurrency
+    let s = d.admit(call("t", "s", "x"));
+    assert_eq!(s.status, 429);
+    assert_eq!(s.body["scope"], "concurrency");
+    assert!(s.header("retry-after").is_some());
+
+    // a caller willing to wait gets the slot when the first releases
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| {
+            d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 2000}))
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            d.release(first.body["lease_id"].as_str().unwrap()).status,
+            200
+        );
+        let a = waiter.join().unwrap();
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        let waited = a.body["waited_ms"].as_u64().unwrap();
+        assert!(waited >= 200, "waited_ms {waited}");
+    });
+
+    // the waiter's lease is never released: the TTL frees the slot
+    let t = Instant::now();
+    let timed_out =
+        d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 300}));
+    assert_eq!(timed_out.status, 429, "{:?}", timed_out.body);
+    assert_eq!(timed_out.body["scope"], "concurrency");
+    assert!(t.elapsed() >= Duration::from_millis(250));
+    assert!(eventually(Duration::from_secs(4), || d
+        .admit(call("t", "s", "x"))
+        .status
+        == 200));
+}
+
+#[test]
+fn a_queued_caller_that_hangs_up_leaks_no_slot() {
+    let d = Daemon::start("[limits.subject]\nconcurrency = 1\n");
+    let first = d.admit(call("t", "s", "x"));
+    admit_and_hang_up(
+        &d,
+        json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 2000}),
+        Duration::from_millis(200),
+    );
+    assert_eq!(
+        d.release(first.body["lease_id"].as_str().unwrap()).status,
+        200
+    );
+    assert!(eventually(Duration::from_secs(1), || {
+        let a = d.admit(call("t", "s", "x"));
+        if a.status == 200 {
+            d.release(a.body["lease_id"].as_str().unwrap());
+        }
+        a.status == 200
+    }));
+    let snap = d.get("/v1/tenants/t");
+    assert_eq!(snap.body["inflight"], 0);
+    assert_eq!(snap.body["waiting"], 0);
+}
+
+#[test]
+fn shadow_mode_admits_everything_and_reports_would_shed() {
+    let d = Daemon::start(
+        "[server]\nmode = \"shadow\"\n[limits.subject]\nrate = \"1/min\"\nburst = 2\n",
+    );
+    let mut would = 0;
+    for i in 0..5 {
+        let a = d.admit(call("t", "s", "x"));
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        assert_eq!(a.body["mode"], "shadow");
+        if i >= 2 {
+            assert_eq!(a.body["would_shed"]["scope"], "subject", "{:?}", a.body);
+            assert!(a.body["would_shed"]["retry_after_ms"].as_u64().unwrap() > 0);
+            would += 1;
+        } else {
+            assert!(a.body.get("would_shed").is_none());
+        }
+        assert_eq!(d.release(a.body["lease_id"].as_str().unwrap()).status, 200);
+    }
+    assert_eq!(would, 3);
+}
+
+const RELOAD_BEFORE: &str = "[limits.subject]\nrate = \"1/h\"\nburst = 5\n";
+const RELOAD_AFTER: &str = "[limits.subject]\nrate = \"1/h\"\nburst = 10\n";
+
+fn subject_tokens(d: &Daemon) -> u64 {
+    let s = d.get("/v1/tenants/t");
+    s.body["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["layer"] == "subject")
+        .unwrap()["tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn reload_swaps_policy_without_resetting_state() {
+    let d = Daemon::start(RELOAD_BEFORE);
+    let lease = d.admit(call("t", "s", "x")).body["lease_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for _ in 0..2 {
+        assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+    }
+    assert_eq!(subject_tokens(&d), 2);
+
+    d.rewrite_config(RELOAD_AFTER);
+    let r = d.post("/v1/admin/reload", json!({}));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(r.body["reloaded"], true);
+    // three tokens are still missing, now out of ten
+    assert_eq!(subject_tokens(&d), 7);
+    assert_eq!(
+        d.release(&lease).status,
+        200,
+        "the lease survived the reload"
+    );
+
+    // A broken file is refused with FILE:LINE and the running config stays.
+    d.rewrite_config("[limits.subject]\nrate = \"5/mins\"\n");
+    let bad = d.post("/v1/admin/reload", json!({}));
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.body["error"], "invalid_config");
+    let msg = bad.body["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with(&format!("{}:2: ", d.config_path())),
+        "{msg}"
+    );
+    assert_eq!(subject_tokens(&d), 7);
+    let a = d.admit(call("t", "s", "x"));
+    assert_eq!(a.body["limit"], 10, "old config kept: {:?}", a.body);
+}
+
+#[cfg(unix)]
+#[test]
+fn sighup_reloads_the_config() {
+    let d = Daemon::start(RELOAD_BEFORE);
+    assert_eq!(d.admit(call("t", "s", "x")).body["limit"], 5);
+    d.rewrite_config(RELOAD_AFTER);
+    let ok = std::process::Command::new("kill")
+        .arg("-HUP")
+        .arg(d.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    assert!(eventually(Duration::from_secs(5), || d
+        .admit(call("t", "s", "x"))
+        .body["limit"]
+        == 10));
+    assert!(d
+        .log_lines()
+        .iter()
+        .any(|l| l.contains("SIGHUP: config reloaded")));
+}
+
+#[test]
+fn daily_quota_and_plans_apply_per_tenant() {
+    let d = Daemon::start(
+        "[limits.subject]\ndaily_quota = 3\n[plans.free.subject]\nrate = \"30/min\"\nburst = 5\n[tenants.globex]\nplan = \"free\"\n",
+    );
+    for _ in 0..3 {
+        assert_eq!(d.admit(call("acme", "s", "x")).status, 200);
+    }
+    let q = d.admit(call("acme", "s", "x"));
+    assert_eq!(q.status, 429);
+    assert_eq!(q.body["scope"], "daily_quota");
+    let ms = q.body["retry_after_ms"].as_u64().unwrap();
+    assert!(ms <= 86_400_000 + 100 && ms > 0, "{ms}");
+    let g = d.admit(call("globex", "s", "x"));
+    assert_eq!(g.body["limit"], 5, "{:?}", g.body);
+    assert!(g
+        .header("ratelimit-policy")
+        .unwrap()
+        .starts_with("\"subject\";q=5;w=10"));
+}
