@@ -55,10 +55,14 @@ impl TenantActor {
     fn now(&mut self) -> (Nanos, i64) {
         let now = self.shared.clock.mono();
         let cfg = self.shared.config.load();
+        let wall = self.shared.clock.wall_ms();
         if !Arc::ptr_eq(&cfg, self.engine.config()) {
             self.engine.set_config(Arc::clone(&cfg), now);
+            // A reload may have raised a concurrency limit: let queued calls in now.
+            let granted = self.engine.grant_waiting(now, wall);
+            self.deliver(granted);
         }
-        (now, self.shared.clock.wall_ms())
+        (now, wall)
     }
 
     /// Hands decisions to queued callers. A caller that has gone away gets its lease cancelled, which may

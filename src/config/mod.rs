@@ -575,17 +575,18 @@ impl Validator<'_> {
 
         if let Some(s) = raw.server {
             if let Some(v) = s.listen {
-                cfg.server.listen =
-                    match v.get_ref().parse() {
-                        Ok(a) => a,
-                        Err(_) => return self.err(
+                cfg.server.listen = match v.get_ref().parse() {
+                    Ok(a) => a,
+                    Err(_) => {
+                        return self.err(
                             v.span(),
                             format!(
                                 "server.listen: {:?} is not an address such as \"127.0.0.1:9470\"",
                                 v.get_ref()
                             ),
-                        ),
-                    };
+                        )
+                    }
+                };
             }
             if let Some(v) = s.mode {
                 cfg.server.mode = match v.get_ref().as_str() {

@@ -82,7 +82,10 @@ pub struct UnknownLease;
 #[derive(Debug, Clone, Default)]
 struct Charge {
     cost: f64,
-    incs: [u64; 5],
+    /// Which bucket layers it took from, by `Layer` index. Refunds recompute the amount from the
+    /// current rate and skip layers a reload removed, so a refund after a reload gives back exactly
+    /// the tokens taken: never another layer's, never more.
+    taken: [bool; 5],
     quota_day: i64,
     quota_subject: bool,
     quota_tenant: bool,
@@ -96,6 +99,8 @@ struct Lease {
     /// Holds one subject and one tenant concurrency slot (false for shadow-mode stand-in leases).
     slots: bool,
     charge: Option<Charge>,
+    /// When the hold ends; a cancellation after that refunds nothing (the call ran).
+    hold_until: Nanos,
     created: Nanos,
     expires: Nanos,
 }
@@ -389,28 +394,18 @@ impl TenantEngine {
         }
     }
 
-    fn refund_layer(&mut self, layer: Layer, r: &Resolved, inc: u64) {
-        if inc == 0 {
-            return;
-        }
-        match layer {
+    fn refund_layer(&mut self, lp: &LayerPlan, r: &Resolved, inc: u64) {
+        match lp.layer {
             Layer::Subject => self.subject_mut(&r.subject).bucket.refund(inc),
             Layer::SubjectTool => self
                 .subject_mut(&r.subject)
                 .tool_bucket(&r.tool)
                 .refund(inc),
             Layer::Tenant => self.tenant_bucket.refund(inc),
-            Layer::TenantUpstream => {
-                let shared = r
-                    .upstream
-                    .as_deref()
-                    .filter(|u| self.is_shared_upstream(Some(u)))
-                    .and_then(|u| self.shared.upstream(u));
-                match shared {
-                    Some(s) => s.bucket.refund(inc),
-                    None => self.upstream_mut(r).bucket.refund(inc),
-                }
-            }
+            Layer::TenantUpstream => match &lp.shared {
+                Some(s) => s.bucket.refund(inc),
+                None => self.upstream_mut(r).bucket.refund(inc),
+            },
             Layer::Global => self.shared.global.refund(inc),
         }
     }
@@ -584,7 +579,12 @@ impl TenantEngine {
     fn make_shed(&mut self, r: &Resolved, scope: Scope, wait_ns: u64) -> Shed {
         // A little jitter (up to 5% of the wait, at most 100 ms) keeps callers told the same moment from
         // arriving in the same millisecond; it only ever adds, so nobody is told to come back early.
-        let jitter = self.rng.below_or_eq((wait_ns / 20).min(100 * NS_PER_MS));
+        // A daily quota resets at one fixed instant for everyone: no jitter there.
+        let jitter = if scope == Scope::DailyQuota {
+            0
+        } else {
+            self.rng.below_or_eq((wait_ns / 20).min(100 * NS_PER_MS))
+        };
         let retry_after_ms = ceil_ms(wait_ns.saturating_add(jitter)).max(1);
         let cx = self.refusal_cx(r, 0.0);
         Shed {
@@ -689,7 +689,7 @@ impl TenantEngine {
             let inc = lp.g.increment(r.cost);
             match self.take_layer(lp, &r, now, inc, max_wait) {
                 Take::Ok { wait } => {
-                    charge.incs[i] = inc;
+                    charge.taken[lp.layer as usize] = true;
                     hold = hold.max(wait);
                 }
                 Take::Short { .. } => {
@@ -719,6 +719,7 @@ impl TenantEngine {
                 upstream: r.upstream.clone(),
                 slots: true,
                 charge: (hold > 0).then_some(charge),
+                hold_until: now.saturating_add(hold),
                 created: now,
                 expires,
             },
@@ -739,8 +740,10 @@ impl TenantEngine {
     }
 
     fn undo_charge(&mut self, r: &Resolved, plan: &[LayerPlan], charge: &Charge) {
-        for (i, lp) in plan.iter().enumerate() {
-            self.refund_layer(lp.layer, r, charge.incs[i]);
+        for lp in plan {
+            if charge.taken[lp.layer as usize] {
+                self.refund_layer(lp, r, lp.g.increment(charge.cost));
+            }
         }
         if charge.quota_subject {
             self.subject_mut(&r.subject)
@@ -770,6 +773,7 @@ impl TenantEngine {
                         upstream: r.upstream.clone(),
                         slots: false,
                         charge: None,
+                        hold_until: now,
                         created: now,
                         expires,
                     },
@@ -821,7 +825,7 @@ impl TenantEngine {
             }
             _ => None,
         };
-        let granted = self.pump(now, wall_ms);
+        let granted = self.grant_waiting(now, wall_ms);
         Ok(Released {
             subject: l.subject,
             tool: l.tool,
@@ -840,7 +844,7 @@ impl TenantEngine {
         wall_ms: i64,
     ) -> Result<Vec<(u64, Decision)>, UnknownLease> {
         let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
-        if let Some(charge) = &l.charge {
+        if let Some(charge) = l.charge.as_ref().filter(|_| now < l.hold_until) {
             let r = Resolved {
                 subject: l.subject.clone(),
                 tool: l.tool.clone(),
@@ -853,7 +857,7 @@ impl TenantEngine {
         if l.slots {
             self.free_slots(&l.subject);
         }
-        Ok(self.pump(now, wall_ms))
+        Ok(self.grant_waiting(now, wall_ms))
     }
 
     /// Removes a queued call whose caller went away. Returns false when it was not queued (any more).
@@ -898,7 +902,8 @@ impl TenantEngine {
     }
 
     /// Hands free slots to queued calls, oldest first, deciding each; drops the ones past their deadline.
-    fn pump(&mut self, now: Nanos, wall_ms: i64) -> Vec<(u64, Decision)> {
+    /// Called after every release, and by the actor after a reload that may have raised a limit.
+    pub fn grant_waiting(&mut self, now: Nanos, wall_ms: i64) -> Vec<(u64, Decision)> {
         let mut out = Vec::new();
         let mut i = 0;
         while i < self.waiters.len() && self.tenant_slot_free() {
@@ -916,6 +921,13 @@ impl TenantEngine {
             let Some(w) = self.waiters.remove(i) else {
                 break;
             };
+            // The release that freed this slot may have started a penalty on the waiter's upstream.
+            if let Some(shed) = self.penalty(&w.resolved, now) {
+                let plan = self.plan(&w.resolved);
+                let d = self.refuse(w.resolved, &plan, shed, now);
+                out.push((w.id, d));
+                continue;
+            }
             self.take_slots(&w.resolved.subject);
             let plan = self.plan(&w.resolved);
             let d = self.after_slots(
@@ -991,7 +1003,7 @@ impl TenantEngine {
         let granted = if expired.is_empty() {
             Vec::new()
         } else {
-            self.pump(now, wall_ms)
+            self.grant_waiting(now, wall_ms)
         };
         (expired, granted)
     }
@@ -1136,9 +1148,70 @@ impl TenantEngine {
         }
     }
 
+    /// Gauges for telemetry: in-flight calls, how full each bucket layer is, penalties and quota.
+    pub fn gauges(&self, now: Nanos, wall_ms: i64) -> TenantGauges {
+        let p = &self.policy;
+        let used = |g: &Gcra, b: &Bucket| {
+            let missing = b.reset_ns(now) as f64 / g.t;
+            (missing / g.burst).clamp(0.0, 1.0)
+        };
+        let subject = self
+            .subjects
+            .values()
+            .map(|s| used(&p.subject_g, &s.bucket))
+            .fold(0.0, f64::max);
+        let mut upstream = 0.0f64;
+        let mut penalties = Vec::new();
+        for (name, u) in &self.upstreams {
+            if let Some(spec) = p
+                .cfg
+                .upstreams
+                .get(&**name)
+                .filter(|c| !c.shared)
+                .and_then(|c| c.bucket)
+            {
+                upstream = upstream.max(used(&Gcra::new(spec), &u.bucket));
+            }
+            if u.penalty_until > now {
+                penalties.push((
+                    name.clone(),
+                    (u.penalty_until - now) as f64 / NS_PER_SEC as f64,
+                ));
+            }
+        }
+        let day = utc_day(wall_ms);
+        TenantGauges {
+            inflight: self.inflight,
+            waiting: self.waiters.len(),
+            tenant_utilization: used(&p.tenant_g, &self.tenant_bucket),
+            subject_utilization: subject,
+            upstream_utilization: upstream,
+            penalties,
+            quota_used: p.limits.tenant.daily_quota.map(|_| self.quota.used_on(day)),
+            quota_limit: p.limits.tenant.daily_quota,
+        }
+    }
+
     pub fn has_state(&self, now: Nanos, wall_ms: i64) -> bool {
         !self.is_at_rest(now, wall_ms) || !self.subjects.is_empty()
     }
+}
+
+/// Per-tenant gauge values, sampled by the tenant actor.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TenantGauges {
+    pub inflight: u32,
+    pub waiting: usize,
+    /// Tokens used / burst of the tenant bucket.
+    pub tenant_utilization: f64,
+    /// The most-used subject bucket of the tenant.
+    pub subject_utilization: f64,
+    /// The most-used per-tenant upstream bucket.
+    pub upstream_utilization: f64,
+    /// Seconds of penalty left per upstream (per-tenant penalties only).
+    pub penalties: Vec<(Arc<str>, f64)>,
+    pub quota_used: Option<f64>,
+    pub quota_limit: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs every check the project has, exactly as CI does: formatting, lints, unit and black-box tests,
+# and the operator artifacts (Prometheus rules, dashboards). Installs what the tests need when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "== installing test dependencies: ${need_apt[*]}"
+  if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  # The Debian package starts a Prometheus service of its own; the tests run their own instances.
+  $SUDO systemctl stop prometheus 2>/dev/null || $SUDO pkill -x prometheus 2>/dev/null || true
+fi
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+
+echo "== cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets -- -D warnings
+
+echo "== cargo test"
+cargo test --all-features
+
+echo "== operator artifacts"
+bash tests/ops/check_ops.sh
+
+echo "== all checks passed"

@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# Validates the operator artifacts: alert rules and their unit tests, the Grafana dashboard, the
+# Prometheus config, the deploy YAML files and the runbook links.
+#
+#   tests/ops/check_ops.sh
+#
+# Needs promtool (installed from the Debian "prometheus" package when missing) and python3.
+# Exits non-zero on the first failure.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+
+RULES=alerts/admitd.rules.yml
+RULE_TESTS=alerts/tests/admitd_test.yml
+DASHBOARD=dashboards/admitd.json
+PROM_CONFIG=deploy/prometheus/prometheus.yml
+RUNBOOK=docs/operations.md
+
+step() { printf '\n==> %s\n' "$*"; }
+fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+
+# --- (a) promtool --------------------------------------------------------------------------------------
+step "promtool"
+if ! command -v promtool >/dev/null 2>&1; then
+    echo "promtool not found; installing the Debian 'prometheus' package"
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null 2>&1 || fail "promtool is missing and this is not root (no sudo): apt-get install prometheus"
+        SUDO="sudo"
+    fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
+    command -v promtool >/dev/null 2>&1 || fail "promtool still missing after installing prometheus"
+fi
+promtool --version 2>&1 | head -n 1
+command -v python3 >/dev/null 2>&1 || fail "python3 is required"
+
+# --- (b) rules -----------------------------------------------------------------------------------------
+step "promtool check rules $RULES"
+promtool check rules "$RULES"
+
+step "promtool test rules $RULE_TESTS"
+promtool test rules "$RULE_TESTS"
+
+step "every alert has a test case, severity, summary, description and a runbook anchor"
+python3 - "$RULES" "$RULE_TESTS" "$RUNBOOK" <<'PY'
+import re, sys
+try:
+    import yaml
+except ImportError:
+    print("SKIP: python3 yaml module not installed (apt-get install python3-yaml)")
+    sys.exit(0)
+
+rules_path, tests_path, runbook_path = sys.argv[1:4]
+rules = yaml.safe_load(open(rules_path))
+tests = yaml.safe_load(open(tests_path))
+runbook = open(runbook_path).read()
+
+def anchor(heading):
+    # GitHub-style anchor: lower case, spaces to dashes, drop punctuation.
+    a = heading.strip().lower()
+    a = re.sub(r"[^\w\- ]", "", a)
+    return a.replace(" ", "-")
+
+anchors = {anchor(h) for h in re.findall(r"^#+\s+(.+)$", runbook, flags=re.M)}
+
+fired, quiet = set(), set()
+for t in tests.get("tests", []):
+    for a in t.get("alert_rule_test", []) or []:
+        (fired if a.get("exp_alerts") else quiet).add(a["alertname"])
+
+errors = []
+alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+for r in alerts:
+    name = r["alert"]
+    if r.get("labels", {}).get("severity") not in ("critical", "warning", "info"):
+        errors.append(f"{name}: labels.severity must be critical, warning or info")
+    ann = r.get("annotations", {})
+    for key in ("summary", "description", "runbook_url"):
+        if not ann.get(key):
+            errors.append(f"{name}: missing annotation {key}")
+    url = ann.get("runbook_url", "")
+    if "#" not in url:
+        errors.append(f"{name}: runbook_url has no anchor: {url!r}")
+    else:
+        frag = url.split("#", 1)[1]
+        if frag != name.lower():
+            errors.append(f"{name}: runbook anchor {frag!r} is not the alert name in lower case")
+        if frag not in anchors:
+            errors.append(f"{name}: no heading for #{frag} in {runbook_path}")
+    if name not in fired:
+        errors.append(f"{name}: no test case where it fires")
+    if name not in quiet:
+        errors.append(f"{name}: no test case where it stays quiet")
+
+for e in errors:
+    print("FAIL:", e)
+if errors:
+    sys.exit(1)
+print(f"{len(alerts)} alerts: " + ", ".join(r["alert"] for r in alerts))
+PY
+
+# --- (c) dashboard -------------------------------------------------------------------------------------
+step "dashboard $DASHBOARD"
+python3 - "$DASHBOARD" "$TMP/dashboard_exprs.yml" <<'PY'
+import json, re, sys
+
+path, out = sys.argv[1], sys.argv[2]
+try:
+    d = json.load(open(path))
+except json.JSONDecodeError as e:
+    print(f"FAIL: {path} is not valid JSON: {e}")
+    sys.exit(1)
+
+errors = []
+
+def walk(panels):
+    for p in panels:
+        yield p
+        yield from walk(p.get("panels", []))
+
+variables = {v.get("name"): v for v in d.get("templating", {}).get("list", [])}
+ds = variables.get("datasource")
+if not ds or ds.get("type") != "datasource" or ds.get("query") != "prometheus":
+    errors.append("templating: need a 'datasource' variable of type datasource with query prometheus")
+for name in ("tenant", "tool", "upstream"):
+    v = variables.get(name)
+    if not v:
+        errors.append(f"templating: missing variable {name}")
+        continue
+    q = v.get("definition") or v.get("query")
+    q = q.get("query") if isinstance(q, dict) else q
+    if not (v.get("type") == "query" and "label_values(admitd_admissions_total" in (q or "")):
+        errors.append(f"templating: {name} must be a label_values query on admitd_admissions_total")
+    if not (v.get("multi") and v.get("includeAll") and v.get("allValue") == ".*"):
+        errors.append(f"templating: {name} must be multi, includeAll, allValue '.*'")
+
+# Which metric carries which filterable labels (docs/metrics.md).
+LABELS = {
+    "admitd_admissions_total": {"tenant", "tool", "upstream"},
+    "admitd_admission_wait_seconds_bucket": {"tenant", "tool"},
+    "admitd_retry_after_seconds_bucket": {"tenant"},
+    "admitd_tool_duration_seconds_bucket": {"tenant", "tool", "upstream"},
+    "admitd_upstream_responses_total": {"tenant", "upstream"},
+    "admitd_lease_expiries_total": {"tenant", "tool", "upstream"},
+    "admitd_inflight": {"tenant"},
+    "admitd_bucket_utilization": {"tenant"},
+    "admitd_upstream_penalty_seconds": {"tenant", "upstream"},
+    "admitd_daily_quota_used": {"tenant"},
+    "admitd_daily_quota_limit": {"tenant"},
+    "admitd_tenant_shed_ratio": {"tenant"},
+    "admitd_alert_firing": {"tenant"},
+}
+
+exprs = []
+ids = set()
+for p in walk(d.get("panels", [])):
+    if p.get("type") == "row":
+        continue
+    title = p.get("title", "?")
+    if p.get("id") in ids:
+        errors.append(f"panel {title!r}: duplicate id {p.get('id')}")
+    ids.add(p.get("id"))
+    targets = p.get("targets") or []
+    if not targets:
+        errors.append(f"panel {title!r}: no targets")
+    for t in targets:
+        expr = (t.get("expr") or "").strip()
+        if not expr:
+            errors.append(f"panel {title!r} target {t.get('refId')}: no expr")
+            continue
+        for m in re.finditer(r"\b(rate|irate)\(", expr):
+            window = re.search(r"\[([^\]]+)\]", expr[m.end():])
+            if not window or window.group(1) != "$__rate_interval":
+                errors.append(f"panel {title!r}: rate() window must be $__rate_interval: {expr}")
+        for metric, labels in LABELS.items():
+            for sel in re.finditer(re.escape(metric) + r"(\{[^}]*\})?", expr):
+                body = sel.group(1) or ""
+                for label in labels:
+                    if f'{label}=~"${label}' not in body:
+                        errors.append(f"panel {title!r}: {metric} not filtered by {label}=~\"${label}\": {expr}")
+        exprs.append((title, expr))
+
+if not exprs:
+    errors.append("no panel expressions found")
+
+# Write the expressions, with Grafana variables replaced, as recording rules so promtool parses them.
+with open(out, "w") as f:
+    f.write("groups:\n  - name: dashboard\n    rules:\n")
+    for i, (title, expr) in enumerate(exprs):
+        e = (expr.replace("$__rate_interval", "1m").replace("$__range", "1h")
+                 .replace("$tenant", ".*").replace("$tool", ".*").replace("$upstream", ".*"))
+        if "$" in e:
+            errors.append(f"panel {title!r}: unknown variable in {expr}")
+        f.write(f"      - record: dashboard:expr_{i}\n        expr: {json.dumps(e)}\n")
+
+for e in errors:
+    print("FAIL:", e)
+if errors:
+    sys.exit(1)
+print(f"{path}: valid JSON, schemaVersion {d.get('schemaVersion')}, {len(exprs)} panel expressions")
+PY
+
+step "PromQL syntax of every dashboard expression (promtool)"
+promtool check rules "$TMP/dashboard_exprs.yml"
+
+# --- (d) Prometheus config -----------------------------------------------------------------------------
+step "promtool check config $PROM_CONFIG"
+# rule_files in the config are relative to its own directory, so this works from any working directory.
+promtool check config "$PROM_CONFIG"
+
+# --- deploy YAML ---------------------------------------------------------------------------------------
+step "deploy YAML files parse"
+python3 - <<'PY'
+import sys
+try:
+    import yaml
+except ImportError:
+    print("SKIP: python3 yaml module not installed (apt-get install python3-yaml)")
+    sys.exit(0)
+for path in ("deploy/kubernetes/sidecar.yaml", "deploy/otel-collector/config.yaml",
+             "deploy/prometheus/prometheus.yml"):
+    docs = [x for x in yaml.safe_load_all(open(path)) if x is not None]
+    if not docs:
+        print(f"FAIL: {path} is empty")
+        sys.exit(1)
+    print(f"{path}: {len(docs)} document(s)")
+PY
+
+printf '\nOK: all operator checks passed\n'
