@@ -14,9 +14,9 @@ use actix::prelude::*;
 
 use crate::actors::{GlobalActor, Shared};
 use crate::api::{self, App};
-use crate::clock::SystemClock;
+use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
-use crate::telemetry::Telemetry;
+use crate::telemetry::{self, spans};
 
 /// Runs the daemon until SIGTERM or SIGINT. Errors are start-up failures, worded for the operator.
 pub fn serve(config: Config) -> Result<(), String> {
@@ -43,14 +43,15 @@ async fn run(config: Config) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     let handles = arbiters.iter().map(|a| a.handle()).collect();
 
-    let telemetry = Telemetry::disabled();
-    let shared = Shared::new(config, Arc::new(SystemClock::new()), telemetry, handles);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+    let telemetry = telemetry::start(&config, clock.clone())?;
+    let shared = Shared::new(config, clock, telemetry.telemetry.clone(), handles);
     let global = GlobalActor::new(shared.clone()).start();
     let app = Arc::new(App {
         shared: shared.clone(),
         global: global.clone(),
-        metrics: None,
-        alerts: None,
+        metrics: Some(telemetry.render_metrics.clone()),
+        alerts: Some(telemetry.render_alerts.clone()),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -96,6 +97,10 @@ async fn run(config: Config) -> Result<(), String> {
     .await;
     for arbiter in arbiters {
         arbiter.stop();
+    }
+    telemetry.arbiter.stop();
+    if let Some(provider) = telemetry.tracer_provider {
+        spans::shutdown(provider);
     }
     Ok(())
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use super::Shared;
+use crate::clock::NS_PER_SEC;
 use crate::config::Config;
+use crate::engine::bucket::Gcra;
 use crate::telemetry::TenantEvent;
 
 pub struct GlobalActor {
@@ -23,15 +25,34 @@ impl GlobalActor {
     }
 }
 
+impl GlobalActor {
+    /// Reports the cross-tenant gauges: live tenant actors, global bucket use, shared penalties.
+    fn sample(&self) {
+        let now = self.shared.clock.mono();
+        let cfg = self.shared.config.load();
+        let g = Gcra::new(cfg.limits.global.bucket);
+        let missing = self.shared.budgets.global.reset_ns(now) as f64 / g.t;
+        let shared_penalties = self
+            .shared
+            .budgets
+            .upstream_names()
+            .into_iter()
+            .filter(|(_, u)| u.penalty_until() > now)
+            .map(|(name, u)| (name, (u.penalty_until() - now) as f64 / NS_PER_SEC as f64))
+            .collect();
+        self.shared.telemetry.tenant_event(TenantEvent::Global {
+            tenants: self.shared.tenant_count(),
+            global_utilization: (missing / g.burst).clamp(0.0, 1.0),
+            shared_penalties,
+        });
+    }
+}
+
 impl Actor for GlobalActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.run_interval(Duration::from_secs(1), |act, _| {
-            act.shared.telemetry.tenant_event(TenantEvent::Global {
-                tenants: act.shared.tenant_count(),
-            });
-        });
+        ctx.run_interval(Duration::from_secs(1), |act, _| act.sample());
     }
 }
 
@@ -47,6 +68,7 @@ impl Handler<Reconfigure> for GlobalActor {
         let now = self.shared.clock.mono();
         let old = self.shared.config.load_full();
         self.shared.budgets.reconfigure(&old, &msg.0, now);
+        self.shared.telemetry.reconfigure(&msg.0);
         self.shared.config.store(Arc::new(msg.0));
     }
 }

@@ -103,7 +103,7 @@ impl TenantActor {
         }
         self.shared.telemetry.tenant_event(TenantEvent::Gauges {
             tenant: self.engine.tenant().clone(),
-            inflight: self.engine.inflight(),
+            gauges: self.engine.gauges(now, wall),
         });
         let idle_ttl = self.engine.config().server.idle_ttl.as_nanos() as u64;
         if now.saturating_sub(self.engine.last_active()) >= idle_ttl
@@ -111,9 +111,10 @@ impl TenantActor {
         {
             self.shared
                 .registry_remove(self.engine.tenant(), self.generation);
+            // Its series go to zero rather than freezing at their last value.
             self.shared.telemetry.tenant_event(TenantEvent::Gauges {
                 tenant: self.engine.tenant().clone(),
-                inflight: 0,
+                gauges: Default::default(),
             });
             ctx.stop();
         }

@@ -13,7 +13,8 @@ pub mod types;
 
 pub use shared::SharedBudgets;
 pub use tenant::{
-    AdmitRequest, AdmitResult, ReleaseInfo, Released, TenantEngine, TenantSnapshot, UnknownLease,
+    AdmitRequest, AdmitResult, ReleaseInfo, Released, TenantEngine, TenantGauges, TenantSnapshot,
+    UnknownLease,
 };
 pub use types::*;
 

@@ -1,16 +1,39 @@
 //! Telemetry: decision events out of the hot path, into metrics, spans, the refusal log and alerts.
 //!
 //! The HTTP layer and the tenant actors describe what happened as events and hand them to
-//! [`Telemetry`], which offers each event to every telemetry sink's bounded mailbox with `try_send`. A
+//! [`Telemetry`], which offers each event to every telemetry actor's bounded mailbox with `try_send`. A
 //! full mailbox drops the event and counts the drop (`admitd_telemetry_events_dropped_total`); admission
-//! never waits for telemetry.
+//! never waits for telemetry. The actors ([`metrics::MetricsActor`], [`spans::SpanActor`],
+//! [`alerts::AlertActor`]) run on an arbiter of their own, away from the workers.
+
+pub mod alerts;
+pub mod labels;
+pub mod metrics;
+pub mod names;
+pub mod spans;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use actix::prelude::*;
 
-use crate::engine::Scope;
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::engine::{Scope, TenantGauges};
+
+/// Mailbox size of each telemetry actor: about a second of events at full load.
+pub const MAILBOX: usize = 65_536;
+
+/// A stable pseudonym for an identity in logs and spans (FNV-1a 64, hex). Not a secret: it keeps
+/// credential subjects out of log pipelines while letting operators correlate lines.
+pub fn hash_identity(s: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
 
 /// What became of an admission request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,10 +112,12 @@ pub enum TenantEvent {
     },
     Gauges {
         tenant: Arc<str>,
-        inflight: u32,
+        gauges: TenantGauges,
     },
     Global {
         tenants: usize,
+        global_utilization: f64,
+        shared_penalties: Vec<(Arc<str>, f64)>,
     },
 }
 
@@ -106,11 +131,18 @@ pub enum Event {
     Tenant(Arc<TenantEvent>),
 }
 
+struct Sink {
+    recipient: Recipient<Event>,
+    decisions_only: bool,
+}
+
 /// The handle the daemon reports through. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Telemetry {
-    sinks: Arc<Vec<Recipient<Event>>>,
+    sinks: Arc<Vec<Sink>>,
     dropped: Arc<AtomicU64>,
+    metrics: Option<Addr<metrics::MetricsActor>>,
+    alerts: Option<Addr<alerts::AlertActor>>,
 }
 
 impl Telemetry {
@@ -119,16 +151,10 @@ impl Telemetry {
         Telemetry::default()
     }
 
-    pub fn with_sinks(sinks: Vec<Recipient<Event>>) -> Self {
-        Telemetry {
-            sinks: Arc::new(sinks),
-            dropped: Arc::new(AtomicU64::new(0)),
-        }
-    }
-
     fn offer(&self, ev: Event) {
+        let decision = matches!(ev, Event::Decision(_));
         for sink in self.sinks.iter() {
-            if sink.try_send(ev.clone()).is_err() {
+            if (decision || !sink.decisions_only) && sink.recipient.try_send(ev.clone()).is_err() {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -158,8 +184,107 @@ impl Telemetry {
         }
     }
 
-    /// Events dropped because a sink's mailbox was full.
+    /// Events dropped because a telemetry mailbox was full.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
     }
+
+    /// Applies the reloadable telemetry and alert settings.
+    pub fn reconfigure(&self, cfg: &Config) {
+        if let Some(m) = &self.metrics {
+            m.do_send(metrics::SetTelemetry(cfg.telemetry.clone()));
+        }
+        if let Some(a) = &self.alerts {
+            a.do_send(alerts::SetAlerts(cfg.alerts.clone()));
+        }
+    }
+}
+
+/// The running telemetry: the handle plus what the HTTP layer and shutdown need.
+pub struct Started {
+    pub telemetry: Telemetry,
+    /// Renders `GET /metrics`.
+    pub render_metrics: Arc<dyn Fn() -> String + Send + Sync>,
+    /// Renders `GET /v1/alerts`.
+    pub render_alerts: Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
+    pub tracer_provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+    pub arbiter: Arbiter,
+}
+
+/// Installs the Prometheus recorder and starts the telemetry actors on their own arbiter. Must run
+/// inside the actix system.
+pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let mut builder = PrometheusBuilder::new();
+    for (name, buckets) in [
+        (names::ADMISSION_WAIT, names::WAIT_BUCKETS),
+        (names::RETRY_AFTER, names::RETRY_AFTER_BUCKETS),
+        (names::DECISION_DURATION, names::DECISION_BUCKETS),
+        (names::TOOL_DURATION, names::TOOL_DURATION_BUCKETS),
+    ] {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(name.to_string()), buckets)
+            .map_err(|e| format!("cannot set histogram buckets for {name}: {e}"))?;
+    }
+    let recorder = builder.build_recorder();
+    let handle = recorder.handle();
+    ::metrics::set_global_recorder(recorder)
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+
+    let tracer_provider = match &cfg.telemetry.otlp {
+        Some(otlp) => Some(spans::provider(otlp)?),
+        None => None,
+    };
+
+    let arbiter =
+        Arbiter::try_new().map_err(|e| format!("cannot start the telemetry thread: {e}"))?;
+    let h = arbiter.handle();
+    let (tcfg, mclock) = (cfg.telemetry.clone(), clock.clone());
+    let metrics_addr = metrics::MetricsActor::start_in_arbiter(&h, move |_| {
+        metrics::MetricsActor::new(&tcfg, mclock)
+    });
+    let firing: alerts::FiringList = Arc::default();
+    let (acfg, aclock, afiring) = (cfg.alerts.clone(), clock.clone(), firing.clone());
+    let alerts_addr = alerts::AlertActor::start_in_arbiter(&h, move |_| {
+        alerts::AlertActor::new(acfg, aclock, afiring)
+    });
+    let mut sinks = vec![
+        Sink {
+            recipient: metrics_addr.clone().recipient(),
+            decisions_only: false,
+        },
+        Sink {
+            recipient: alerts_addr.clone().recipient(),
+            decisions_only: true,
+        },
+    ];
+    if let Some(p) = &tracer_provider {
+        let (p, sclock, ttl) = (p.clone(), clock.clone(), cfg.server.lease_ttl);
+        let spans_addr =
+            spans::SpanActor::start_in_arbiter(&h, move |_| spans::SpanActor::new(&p, sclock, ttl));
+        sinks.push(Sink {
+            recipient: spans_addr.recipient(),
+            decisions_only: false,
+        });
+    }
+    let telemetry = Telemetry {
+        sinks: Arc::new(sinks),
+        dropped: Arc::new(AtomicU64::new(0)),
+        metrics: Some(metrics_addr),
+        alerts: Some(alerts_addr),
+    };
+    let dropped = telemetry.dropped.clone();
+    let render_metrics = Arc::new(move || {
+        ::metrics::counter!(names::EVENTS_DROPPED).absolute(dropped.load(Ordering::Relaxed));
+        handle.run_upkeep();
+        handle.render()
+    });
+    let render_alerts = Arc::new(move || serde_json::json!({ "alerts": *firing.read() }));
+    Ok(Started {
+        telemetry,
+        render_metrics,
+        render_alerts,
+        tracer_provider,
+        arbiter,
+    })
 }

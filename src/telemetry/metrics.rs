@@ -1,0 +1,276 @@
+//! The metrics actor: decision events into Prometheus series, plus the refusal log.
+//!
+//! It runs on the telemetry arbiter, away from the workers, so recording (label capping, registry
+//! lookups, formatting log lines) never adds to an admission's latency. Label values pass through
+//! [`LabelCap`] first, so the number of series stays bounded.
+//!
+//! The refusal log writes one JSON line per shed (target `admitd::refusal`: scope, tool, upstream,
+//! tenant, hashed subject, cost, retry_after_ms, call_id), throttled by a token bucket of
+//! `refusal_log_per_sec` so a looping agent cannot flood the log; lines it drops are counted in
+//! `admitd_refusal_logs_suppressed_total` and summarised once a second.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use metrics::{counter, gauge, histogram};
+
+use super::labels::LabelCap;
+use super::names::*;
+use super::{hash_identity, DecisionKind, Event, TenantEvent};
+use crate::clock::{Clock, NS_PER_SEC};
+use crate::config::{BucketSpec, TelemetryConfig};
+use crate::engine::bucket::{Bucket, Gcra, Take};
+
+/// A token bucket for log lines.
+#[derive(Debug)]
+pub struct LogThrottle {
+    g: Gcra,
+    bucket: Bucket,
+}
+
+impl LogThrottle {
+    pub fn new(per_sec: f64) -> Self {
+        let per_sec = per_sec.max(0.001);
+        LogThrottle {
+            g: Gcra::new(BucketSpec::new(per_sec, per_sec.max(1.0))),
+            bucket: Bucket::default(),
+        }
+    }
+
+    /// Whether one more line may be written at `now`.
+    pub fn allow(&mut self, now: u64) -> bool {
+        let inc = self.g.increment(1.0);
+        matches!(self.bucket.take(&self.g, now, inc, 0), Take::Ok { .. })
+    }
+}
+
+pub struct MetricsActor {
+    caps: LabelCap,
+    clock: Arc<dyn Clock>,
+    throttle: LogThrottle,
+    suppressed_total: u64,
+    suppressed_recent: u64,
+    /// Upstreams with a penalty gauge set, per tenant label, to zero them when the penalty ends.
+    penalties: HashMap<Arc<str>, Vec<Arc<str>>>,
+}
+
+impl MetricsActor {
+    pub fn new(cfg: &TelemetryConfig, clock: Arc<dyn Clock>) -> Self {
+        gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+        counter!(REFUSAL_LOGS_SUPPRESSED).absolute(0);
+        MetricsActor {
+            caps: LabelCap::new(cfg.max_subjects_per_tenant),
+            clock,
+            throttle: LogThrottle::new(cfg.refusal_log_per_sec),
+            suppressed_total: 0,
+            suppressed_recent: 0,
+            penalties: HashMap::new(),
+        }
+    }
+
+    fn upstream_label(&mut self, upstream: &Option<Arc<str>>) -> Arc<str> {
+        match upstream {
+            Some(u) => self.caps.upstream(u),
+            None => Arc::from(NO_UPSTREAM),
+        }
+    }
+
+    fn set_penalties(&mut self, tenant: Arc<str>, now_set: Vec<(Arc<str>, f64)>) {
+        let before = self.penalties.remove(&tenant).unwrap_or_default();
+        for up in before
+            .iter()
+            .filter(|u| !now_set.iter().any(|(n, _)| n == *u))
+        {
+            gauge!(UPSTREAM_PENALTY, "tenant" => tenant.to_string(), "upstream" => up.to_string())
+                .set(0.0);
+        }
+        for (up, secs) in &now_set {
+            gauge!(UPSTREAM_PENALTY, "tenant" => tenant.to_string(), "upstream" => up.to_string())
+                .set(*secs);
+        }
+        if !now_set.is_empty() {
+            self.penalties
+                .insert(tenant, now_set.into_iter().map(|(u, _)| u).collect());
+        }
+    }
+
+    fn record(&mut self, ev: Event) {
+        match ev {
+            Event::Decision(d) => {
+                let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
+                let upstream = self.upstream_label(&d.upstream);
+                let scope = d.scope.map_or("none", |s| s.as_str());
+                counter!(
+                    ADMISSIONS,
+                    "tenant" => tenant.to_string(),
+                    "subject" => subject.to_string(),
+                    "tool" => tool.to_string(),
+                    "upstream" => upstream.to_string(),
+                    "decision" => d.kind.as_str(),
+                    "scope" => scope,
+                )
+                .increment(1);
+                histogram!(DECISION_DURATION).record(d.decision_ns as f64 / NS_PER_SEC as f64);
+                match d.kind {
+                    DecisionKind::Admitted | DecisionKind::ShadowShed => {
+                        histogram!(ADMISSION_WAIT, "tenant" => tenant.to_string(), "tool" => tool.to_string())
+                            .record(d.waited_ns as f64 / NS_PER_SEC as f64);
+                    }
+                    DecisionKind::Shed => {
+                        if d.retryable {
+                            histogram!(RETRY_AFTER, "tenant" => tenant.to_string(), "scope" => scope)
+                                .record(d.retry_after_ms as f64 / 1000.0);
+                        }
+                    }
+                }
+                if d.kind != DecisionKind::Admitted {
+                    if self.throttle.allow(self.clock.mono()) {
+                        tracing::info!(
+                            target: "admitd::refusal",
+                            decision = d.kind.as_str(),
+                            scope,
+                            tenant = %d.tenant,
+                            subject_hash = %hash_identity(&d.subject),
+                            tool = %d.tool,
+                            upstream = d.upstream.as_deref().unwrap_or(NO_UPSTREAM),
+                            cost = d.cost,
+                            retry_after_ms = d.retry_after_ms,
+                            retryable = d.retryable,
+                            call_id = d.call_id.as_deref().unwrap_or(""),
+                            "call refused"
+                        );
+                    } else {
+                        self.suppressed_total += 1;
+                        self.suppressed_recent += 1;
+                    }
+                }
+            }
+            Event::Release(r) => {
+                let (tenant, _, tool) = self.caps.call(&r.tenant, &r.subject, &r.tool);
+                let upstream = self.upstream_label(&r.upstream);
+                let status = r
+                    .upstream_status
+                    .or((r.outcome == "upstream_rate_limited").then_some(429));
+                if let (Some(status), true) = (status, r.upstream.is_some()) {
+                    counter!(UPSTREAM_RESPONSES, "tenant" => tenant.to_string(), "upstream" => upstream.to_string(), "status" => status.to_string())
+                        .increment(1);
+                }
+                if let Some(ms) = r.duration_ms {
+                    histogram!(TOOL_DURATION, "tenant" => tenant.to_string(), "tool" => tool.to_string(), "upstream" => upstream.to_string())
+                        .record(ms as f64 / 1000.0);
+                }
+            }
+            Event::Feedback(f) => {
+                let tenant = self.caps.tenant(&f.tenant);
+                let upstream = self.caps.upstream(&f.upstream);
+                counter!(UPSTREAM_RESPONSES, "tenant" => tenant.to_string(), "upstream" => upstream.to_string(), "status" => f.status.to_string())
+                    .increment(1);
+            }
+            Event::Tenant(t) => match &*t {
+                TenantEvent::LeaseExpired {
+                    tenant,
+                    subject,
+                    tool,
+                    upstream,
+                } => {
+                    let (tenant, subject, tool) = self.caps.call(tenant, subject, tool);
+                    let upstream = self.upstream_label(upstream);
+                    counter!(
+                        LEASE_EXPIRIES,
+                        "tenant" => tenant.to_string(),
+                        "subject" => subject.to_string(),
+                        "tool" => tool.to_string(),
+                        "upstream" => upstream.to_string(),
+                    )
+                    .increment(1);
+                }
+                TenantEvent::Gauges { tenant, gauges } => {
+                    let tenant = self.caps.tenant(tenant);
+                    let t = tenant.to_string();
+                    gauge!(INFLIGHT, "tenant" => t.clone()).set(gauges.inflight as f64);
+                    gauge!(WAITING, "tenant" => t.clone()).set(gauges.waiting as f64);
+                    gauge!(BUCKET_UTILIZATION, "tenant" => t.clone(), "layer" => "tenant")
+                        .set(gauges.tenant_utilization);
+                    gauge!(BUCKET_UTILIZATION, "tenant" => t.clone(), "layer" => "subject")
+                        .set(gauges.subject_utilization);
+                    gauge!(BUCKET_UTILIZATION, "tenant" => t.clone(), "layer" => "tenant_upstream")
+                        .set(gauges.upstream_utilization);
+                    if let (Some(used), Some(limit)) = (gauges.quota_used, gauges.quota_limit) {
+                        gauge!(DAILY_QUOTA_USED, "tenant" => t.clone()).set(used);
+                        gauge!(DAILY_QUOTA_LIMIT, "tenant" => t.clone()).set(limit);
+                    }
+                    let penalties = gauges
+                        .penalties
+                        .iter()
+                        .map(|(u, s)| (self.caps.upstream(u), *s))
+                        .collect();
+                    self.set_penalties(tenant, penalties);
+                }
+                TenantEvent::Global {
+                    tenants,
+                    global_utilization,
+                    shared_penalties,
+                } => {
+                    gauge!(TENANT_ACTORS).set(*tenants as f64);
+                    gauge!(GLOBAL_UTILIZATION).set(*global_utilization);
+                    self.set_penalties(Arc::from(SHARED_TENANT), shared_penalties.clone());
+                }
+            },
+        }
+    }
+
+    fn tick(&mut self) {
+        counter!(REFUSAL_LOGS_SUPPRESSED).absolute(self.suppressed_total);
+        if self.suppressed_recent > 0 {
+            tracing::info!(target: "admitd::refusal", suppressed = self.suppressed_recent, "refusal log lines suppressed in the last second (rate limited)");
+            self.suppressed_recent = 0;
+        }
+    }
+}
+
+impl Actor for MetricsActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.set_mailbox_capacity(super::MAILBOX);
+        ctx.run_interval(Duration::from_secs(1), |act, _| act.tick());
+    }
+}
+
+impl Handler<Event> for MetricsActor {
+    type Result = ();
+
+    fn handle(&mut self, ev: Event, _: &mut Context<Self>) {
+        self.record(ev);
+    }
+}
+
+/// Reconfigure label caps and the refusal log rate (reload).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetTelemetry(pub TelemetryConfig);
+
+impl Handler<SetTelemetry> for MetricsActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetTelemetry, _: &mut Context<Self>) {
+        self.caps.set_max_subjects(msg.0.max_subjects_per_tenant);
+        self.throttle = LogThrottle::new(msg.0.refusal_log_per_sec);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_log_throttle_allows_its_rate_and_no_more() {
+        let mut t = LogThrottle::new(20.0);
+        let allowed = (0..100).filter(|_| t.allow(NS_PER_SEC)).count();
+        assert_eq!(allowed, 20, "a burst of one second's worth");
+        // one more line every 50 ms
+        assert!(!t.allow(NS_PER_SEC + 49_000_000));
+        assert!(t.allow(NS_PER_SEC + 50_000_000));
+    }
+}
