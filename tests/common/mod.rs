@@ -186,3 +186,90 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
     f()
 }
+
+/// A tiny HTTP/1.1 server that records every request (path and body) and answers 200: stands in for an
+/// OTLP collector or an Alertmanager.
+pub struct Recorder {
+    pub addr: String,
+    pub requests: Arc<Mutex<Vec<(String, Vec<u8>)>>>,
+}
+
+impl Recorder {
+    pub fn start() -> Recorder {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind recorder");
+        let addr = listener.local_addr().unwrap().to_string();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let reqs = requests.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                let reqs = reqs.clone();
+                std::thread::spawn(move || serve_one(stream, reqs));
+            }
+        });
+        Recorder { addr, requests }
+    }
+
+    pub fn bodies(&self, path: &str) -> Vec<Vec<u8>> {
+        self.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, _)| p == path)
+            .map(|(_, b)| b.clone())
+            .collect()
+    }
+}
+
+fn serve_one(stream: std::net::TcpStream, reqs: Arc<Mutex<Vec<(String, Vec<u8>)>>>) {
+    use std::io::Read;
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+        let mut len = 0usize;
+        let mut close = false;
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            let h = h.trim_end();
+            if h.is_empty() {
+                break;
+            }
+            let lower = h.to_ascii_lowercase();
+            if let Some(v) = lower.strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap_or(0);
+            }
+            if lower.starts_with("connection:") && lower.contains("close") {
+                close = true;
+            }
+        }
+        let mut body = vec![0u8; len];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        reqs.lock().unwrap().push((path, body));
+        let out = reader.get_mut();
+        let _ = out.write_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+        );
+        let _ = out.flush();
+        if close {
+            return;
+        }
+    }
+}
+
+/// The value of a sample in Prometheus text, by exact series (name and labels as rendered).
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
