@@ -32,6 +32,25 @@ impl GlobalActor {
         let cfg = self.shared.config.load();
         let g = Gcra::new(cfg.limits.global.bucket);
         let missing = self.shared.budgets.global.reset_ns(now) as f64 / g.t;
+        let shared_rates = self
+            .shared
+            .budgets
+            .upstream_names()
+            .into_iter()
+            .filter_map(|(name, u)| {
+                let c = cfg.upstreams.get(&*name)?;
+                let rate = c.bucket?.rate.per_sec * u.multiplier();
+                let p = c.adaptive.map_or(0.0, |a| {
+                    let (r, acc) = u.sre_totals(now, a.window.as_nanos() as u64);
+                    if r < a.min_requests {
+                        0.0
+                    } else {
+                        crate::engine::adaptive::throttle_probability(r, acc, a.k)
+                    }
+                });
+                Some((name, rate, p))
+            })
+            .collect();
         let shared_penalties = self
             .shared
             .budgets
@@ -44,6 +63,7 @@ impl GlobalActor {
             tenants: self.shared.tenant_count(),
             global_utilization: (missing / g.burst).clamp(0.0, 1.0),
             shared_penalties,
+            shared_rates,
         });
     }
 }

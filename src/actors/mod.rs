@@ -27,7 +27,8 @@ use parking_lot::RwLock;
 
 pub use global::GlobalActor;
 pub use tenant::{
-    Admit, AdmitReply, CancelLease, CancelWaiter, Feedback, Release, Snapshot, TenantActor,
+    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Feedback, Release, Snapshot,
+    TenantActor,
 };
 
 use crate::clock::Clock;

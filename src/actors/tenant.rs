@@ -83,6 +83,15 @@ impl TenantActor {
         }
     }
 
+    /// Delivers decisions the engine made outside a direct answer (calls queued for an upstream that
+    /// just went into the penalty box).
+    fn flush(&mut self) {
+        let pending = self.engine.drain_decisions();
+        if !pending.is_empty() {
+            self.deliver(pending);
+        }
+    }
+
     fn tick(&mut self, ctx: &mut Context<Self>) {
         let (now, wall) = self.now();
         let (expired, granted) = self.engine.expire_leases(now, wall);
@@ -243,8 +252,28 @@ impl Handler<Feedback> for TenantActor {
 
     fn handle(&mut self, msg: Feedback, _: &mut Context<Self>) -> Self::Result {
         let (now, _) = self.now();
-        self.engine
-            .feedback(&msg.upstream, msg.status, msg.retry_after, now)
+        let penalty = self
+            .engine
+            .feedback(&msg.upstream, msg.status, msg.retry_after, now);
+        self.flush();
+        penalty
+    }
+}
+
+/// After a hold: go ahead (`None`), or the refusal if an upstream of the call went into the penalty box
+/// meanwhile (everything the call took is given back).
+#[derive(Message, Clone)]
+#[rtype(result = "Result<Option<Decision>, UnknownLease>")]
+pub struct ConfirmHold(pub u64);
+
+impl Handler<ConfirmHold> for TenantActor {
+    type Result = Result<Option<Decision>, UnknownLease>;
+
+    fn handle(&mut self, msg: ConfirmHold, _: &mut Context<Self>) -> Self::Result {
+        let (now, wall) = self.now();
+        let r = self.engine.confirm_hold(msg.0, now, wall);
+        self.flush();
+        r
     }
 }
 

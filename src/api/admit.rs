@@ -14,7 +14,7 @@ use warp::reply::Response;
 
 use super::error::ApiError;
 use super::{body, json, lease, name_field, App};
-use crate::actors::{Admit, AdmitReply, CancelLease, CancelWaiter, Shared};
+use crate::actors::{Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Shared};
 use crate::clock::{ceil_ms, ceil_secs};
 use crate::config::Mode;
 use crate::engine::refusal::whole_seconds;
@@ -138,10 +138,21 @@ pub async fn admit(
             d
         }
     };
+    let mut decision = decision;
     if let Verdict::Admitted(a) = &decision.verdict {
         if a.hold_ns > 0 && !shadow {
-            guard.lease = Some(a.lease);
+            let lease = a.lease;
+            guard.lease = Some(lease);
             tokio::time::sleep(Duration::from_nanos(a.hold_ns)).await;
+            // An upstream of the call may have answered 429 while it was held: then it is refused
+            // with the upstream's wait rather than sent to meet the same 429.
+            if !decision.resolved.upstreams.is_empty() {
+                if let Ok(Some(Ok(Some(refused)))) =
+                    shared.ask_existing(tenant, ConfirmHold(lease)).await
+                {
+                    decision = refused;
+                }
+            }
             guard.lease = None;
         }
     }

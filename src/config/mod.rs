@@ -113,10 +113,22 @@ pub struct Limits {
 }
 
 /// `[plans.NAME]`.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     pub subject: LayerOverride,
     pub tenant: LayerOverride,
+    /// Weight in the fair share of a contended shared upstream (default 1).
+    pub weight: f64,
+}
+
+impl Default for Plan {
+    fn default() -> Self {
+        Plan {
+            subject: LayerOverride::default(),
+            tenant: LayerOverride::default(),
+            weight: 1.0,
+        }
+    }
 }
 
 /// `[tools.NAME]`.
@@ -126,16 +138,95 @@ pub struct ToolConfig {
     pub cost: Option<f64>,
     /// The upstream a call spends when the request names none.
     pub upstream: Option<String>,
+    /// Amplification: every upstream one call spends, with the units it charges per unit of cost
+    /// (`upstreams = { crm = 200 }`). A single `upstream` is the same as `{ name = 1 }`.
+    pub upstreams: Vec<(String, f64)>,
     /// A per-subject bucket for this tool (scope `subject_tool`).
     pub bucket: Option<BucketSpec>,
 }
 
 /// `[upstreams.NAME]`.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamConfig {
-    /// The budget for this upstream: per tenant, or across all tenants when `shared`.
+    /// The budget for this upstream: per tenant, or across all tenants when `shared`. Either written as
+    /// `rate`/`burst`, or derived from `published_limit` (see [`derive_rate`]).
     pub bucket: Option<BucketSpec>,
     pub shared: bool,
+    /// The upstream's own published limit, when the budget is derived from it.
+    pub published_limit: Option<Rate>,
+    /// Traffic to the upstream that does not come through admitd (batch jobs).
+    pub reserved_for_batch: Option<Rate>,
+    pub headroom: f64,
+    pub aimd: Aimd,
+    /// Client-side adaptive throttling; `None` when `adaptive_k = 0`.
+    pub adaptive: Option<Adaptive>,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            bucket: None,
+            shared: false,
+            published_limit: None,
+            reserved_for_batch: None,
+            headroom: DEFAULT_HEADROOM,
+            aimd: Aimd::default(),
+            adaptive: Some(Adaptive::default()),
+        }
+    }
+}
+
+/// Default share of a published limit that admitd budgets for agents.
+pub const DEFAULT_HEADROOM: f64 = 0.7;
+
+/// The agent budget derived from an upstream's published limit: what is left after batch traffic,
+/// times the headroom. A CRM that takes 20 writes/s with 8/s used by batch jobs leaves 12/s; at the
+/// default headroom of 0.7 admitd budgets 8.4/s of it.
+pub fn derive_rate(published: Rate, reserved: Option<Rate>, headroom: f64) -> f64 {
+    (published.per_sec - reserved.map_or(0.0, |r| r.per_sec)) * headroom
+}
+
+/// Multiplicative decrease, additive increase of an upstream budget driven by its 429s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Aimd {
+    /// The effective rate is multiplied by this on every 429.
+    pub factor: f64,
+    /// ... but never below this share of the configured rate.
+    pub floor: f64,
+    /// Share of the configured rate regained per successful call.
+    pub recover: f64,
+}
+
+impl Default for Aimd {
+    fn default() -> Self {
+        Aimd {
+            factor: 0.5,
+            floor: 0.1,
+            recover: 0.05,
+        }
+    }
+}
+
+/// Google SRE client-side throttling: reject locally with probability
+/// max(0, (requests - k * accepts) / (requests + 1)) over a sliding window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Adaptive {
+    pub k: f64,
+    pub window: Duration,
+    /// No local refusals while the window holds fewer requests than this: with a handful of calls
+    /// the formula swings wildly (one 429 out of one request gives 50%), so low-volume callers are
+    /// left to the penalty box and the AIMD cut.
+    pub min_requests: u64,
+}
+
+impl Default for Adaptive {
+    fn default() -> Self {
+        Adaptive {
+            k: 2.0,
+            window: Duration::from_secs(120),
+            min_requests: 20,
+        }
+    }
 }
 
 /// `[server]`.
@@ -307,6 +398,15 @@ impl Config {
         }
     }
 
+    /// The tenant's weight in the fair share of a contended shared upstream (its plan's, default 1).
+    pub fn tenant_weight(&self, tenant: &str) -> f64 {
+        self.tenants
+            .get(tenant)
+            .and_then(|t| t.plan.as_ref())
+            .and_then(|p| self.plans.get(p))
+            .map_or(1.0, |p| p.weight)
+    }
+
     /// The number of worker threads to run.
     pub fn worker_count(&self) -> usize {
         if self.server.workers > 0 {
@@ -393,6 +493,7 @@ struct RawLimits {
 struct RawPlan {
     subject: Option<RawLayer>,
     tenant: Option<RawLayer>,
+    weight: Option<S<f64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -406,6 +507,7 @@ struct RawTenant {
 struct RawTool {
     cost: Option<S<f64>>,
     upstream: Option<S<String>>,
+    upstreams: Option<S<BTreeMap<String, S<f64>>>>,
     rate: Option<S<String>>,
     burst: Option<S<f64>>,
 }
@@ -416,6 +518,15 @@ struct RawUpstream {
     rate: Option<S<String>>,
     burst: Option<S<f64>>,
     shared: Option<bool>,
+    published_limit: Option<S<String>>,
+    headroom: Option<S<f64>>,
+    reserved_for_batch: Option<S<String>>,
+    aimd_factor: Option<S<f64>>,
+    aimd_floor: Option<S<f64>>,
+    aimd_recover: Option<S<f64>>,
+    adaptive_k: Option<S<f64>>,
+    adaptive_window: Option<S<String>>,
+    adaptive_min_requests: Option<S<i64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -570,6 +681,121 @@ impl Validator<'_> {
         }
     }
 
+    fn fraction(
+        &self,
+        key: &str,
+        v: &S<f64>,
+        min_exclusive: f64,
+        max: f64,
+    ) -> Result<f64, ConfigError> {
+        let x = *v.get_ref();
+        if !(x > min_exclusive && x <= max) {
+            return self.err(
+                v.span(),
+                format!("{key} must be greater than {min_exclusive} and at most {max}, not {x}"),
+            );
+        }
+        Ok(x)
+    }
+
+    fn upstream(
+        &self,
+        section: &str,
+        span: std::ops::Range<usize>,
+        u: &RawUpstream,
+    ) -> Result<UpstreamConfig, ConfigError> {
+        let mut out = UpstreamConfig {
+            shared: u.shared.unwrap_or(false),
+            ..UpstreamConfig::default()
+        };
+        match &u.published_limit {
+            Some(p) => {
+                if let Some(r) = &u.rate {
+                    return self.err(
+                        r.span(),
+                        format!("{section}: set either rate or published_limit, not both"),
+                    );
+                }
+                let published = self.rate(&format!("{section}.published_limit"), p)?;
+                let reserved = match &u.reserved_for_batch {
+                    Some(r) => Some(self.rate(&format!("{section}.reserved_for_batch"), r)?),
+                    None => None,
+                };
+                if let Some(h) = &u.headroom {
+                    out.headroom = self.fraction(&format!("{section}.headroom"), h, 0.0, 1.0)?;
+                }
+                let rate = derive_rate(published, reserved, out.headroom);
+                if rate <= 0.0 {
+                    let at = u.reserved_for_batch.as_ref().map_or(p.span(), |r| r.span());
+                    return self.err(at, format!("{section}.reserved_for_batch leaves nothing of published_limit for agents"));
+                }
+                let burst = match &u.burst {
+                    Some(b) => self.positive(&format!("{section}.burst"), b, 1.0)?,
+                    None => rate.ceil().max(1.0),
+                };
+                out.bucket = Some(BucketSpec::new(rate, burst));
+                out.published_limit = Some(published);
+                out.reserved_for_batch = reserved;
+            }
+            None => {
+                for (key, v) in [
+                    ("headroom", u.headroom.as_ref().map(|v| v.span())),
+                    (
+                        "reserved_for_batch",
+                        u.reserved_for_batch.as_ref().map(|v| v.span()),
+                    ),
+                ] {
+                    if let Some(at) = v {
+                        return self.err(
+                            at,
+                            format!("{section}.{key} needs {section}.published_limit"),
+                        );
+                    }
+                }
+                out.bucket = self.optional_bucket(section, span, &u.rate, &u.burst)?;
+            }
+        }
+        if let Some(v) = &u.aimd_factor {
+            out.aimd.factor = self.fraction(&format!("{section}.aimd_factor"), v, 0.0, 1.0)?;
+        }
+        if let Some(v) = &u.aimd_floor {
+            out.aimd.floor = self.fraction(&format!("{section}.aimd_floor"), v, 0.0, 1.0)?;
+        }
+        if let Some(v) = &u.aimd_recover {
+            out.aimd.recover = self.fraction(&format!("{section}.aimd_recover"), v, 0.0, 1.0)?;
+        }
+        let mut adaptive = Adaptive::default();
+        if let Some(v) = &u.adaptive_k {
+            let k = *v.get_ref();
+            if !(k == 0.0 || (1.0..=100.0).contains(&k)) {
+                return self.err(
+                    v.span(),
+                    format!("{section}.adaptive_k must be 0 (off) or from 1 to 100, not {k}"),
+                );
+            }
+            adaptive.k = k;
+        }
+        if let Some(v) = &u.adaptive_window {
+            adaptive.window = self.duration(
+                &format!("{section}.adaptive_window"),
+                v,
+                Duration::from_secs(3600),
+            )?;
+            if adaptive.window < Duration::from_secs(1) {
+                return self.err(
+                    v.span(),
+                    format!("{section}.adaptive_window must be at least 1s"),
+                );
+            }
+        }
+        if let Some(v) = &u.adaptive_min_requests {
+            adaptive.min_requests =
+                self.count(&format!("{section}.adaptive_min_requests"), v, 0, 1_000_000)? as u64;
+        }
+        out.adaptive = (adaptive.k > 0.0).then_some(adaptive);
+        Ok(out)
+    }
+
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let mut cfg = Config::default();
 
@@ -639,7 +865,12 @@ impl Validator<'_> {
             let span = plan.span();
             let key = self.name("plan", &name, span)?;
             let p = plan.into_inner();
+            let weight = match &p.weight {
+                Some(w) => self.positive(&format!("plans.{name}.weight"), w, 0.001)?,
+                None => 1.0,
+            };
             let plan = Plan {
+                weight,
                 subject: match &p.subject {
                     Some(l) => self.layer_override(&format!("plans.{name}.subject"), l)?,
                     None => LayerOverride::default(),
@@ -695,12 +926,39 @@ impl Validator<'_> {
                 }
                 None => None,
             };
+            let mut upstreams = Vec::new();
+            if let Some(map) = &t.upstreams {
+                if let Some(u) = &t.upstream {
+                    return self.err(
+                        u.span(),
+                        format!("{section}: set either upstream or upstreams, not both"),
+                    );
+                }
+                if map.get_ref().is_empty() {
+                    return self.err(
+                        map.span(),
+                        format!("{section}.upstreams is empty; list at least one upstream"),
+                    );
+                }
+                for (up, units) in map.get_ref() {
+                    let up = self.name(&format!("{section}.upstreams"), up, units.span())?;
+                    let units = self.positive(
+                        &format!("{section}.upstreams.{up}"),
+                        units,
+                        f64::MIN_POSITIVE,
+                    )?;
+                    upstreams.push((up, units));
+                }
+            } else if let Some(u) = &upstream {
+                upstreams.push((u.clone(), 1.0));
+            }
             let bucket = self.optional_bucket(&section, span, &t.rate, &t.burst)?;
             cfg.tools.insert(
                 key,
                 ToolConfig {
                     cost,
                     upstream,
+                    upstreams,
                     bucket,
                 },
             );
@@ -711,14 +969,8 @@ impl Validator<'_> {
             let key = self.name("upstream", &name, span.clone())?;
             let u = up.into_inner();
             let section = format!("upstreams.{name}");
-            let bucket = self.optional_bucket(&section, span, &u.rate, &u.burst)?;
-            cfg.upstreams.insert(
-                key,
-                UpstreamConfig {
-                    bucket,
-                    shared: u.shared.unwrap_or(false),
-                },
-            );
+            cfg.upstreams
+                .insert(key, self.upstream(&section, span, &u)?);
         }
 
         if let Some(t) = raw.telemetry {

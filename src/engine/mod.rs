@@ -3,6 +3,7 @@
 //! Nothing in here knows about actors, HTTP or async runtimes. Time comes in as arguments (see
 //! [`crate::clock`]), so every rule is tested with a fake clock, instantly and exactly.
 
+pub mod adaptive;
 pub mod bucket;
 pub mod refusal;
 pub mod retry_after;

@@ -85,10 +85,10 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
             "The daily tool quota for this account is used up; it resets at midnight UTC, in {wait}. Retrying before then will not help. Tell the user that this step must wait until the quota resets, and continue with the results you already have."
         ),
         Scope::UpstreamPenalty => format!(
-            "The {up} service asked for calls to slow down. {retry} Other tools that use {up} are paused too. {FORWARD}"
+            "The {up} service asked for calls to slow down (it is rate limiting this account). {retry} Calls before then will be refused, so retrying sooner cannot help; after the wait, retrying is expected to work. Other tools that use {up} are paused too. {FORWARD}"
         ),
         Scope::Adaptive => format!(
-            "The {up} service is rejecting many requests right now, so this call was not sent. {retry} {FORWARD}"
+            "The {up} service is rejecting most requests right now, so this call was not sent to it. Retrying at once will not help. {retry} {FORWARD}"
         ),
         Scope::Oversized => format!(
             "This call is too large to ever fit its limit (it costs {} units; the limit is {}). Waiting will not help and retrying it unchanged will fail again. Make the request smaller, for example ask for fewer items or a narrower range, or tell the user it cannot be done in one call.",

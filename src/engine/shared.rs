@@ -13,19 +13,143 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
+use parking_lot::Mutex;
+
+use super::adaptive::{self, SreWindow};
 use super::bucket::{AtomicBucket, Gcra};
-use crate::clock::Nanos;
+use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::Config;
 
-/// One shared upstream's state.
+/// How often fair shares are recomputed from demand reports.
+pub const FAIR_SHARE_EVERY: Nanos = 250 * NS_PER_MS;
+/// Demand reports older than this are ignored (the tenant went quiet).
+const DEMAND_TTL: Nanos = 2 * NS_PER_SEC;
+
 #[derive(Debug, Default)]
+struct FairBoard {
+    /// tenant -> (calls per second, weight, reported at)
+    demands: HashMap<Arc<str>, (f64, f64, Nanos)>,
+    computed_at: Option<Nanos>,
+}
+
+/// One shared upstream's state.
+#[derive(Debug)]
 pub struct SharedUpstream {
     pub bucket: AtomicBucket,
     /// Monotonic instant until which the upstream is in the penalty box (0: not penalised).
     penalty_until: AtomicU64,
+    /// AIMD multiplier of the configured rate, as f64 bits.
+    multiplier: AtomicU64,
+    /// When the last 429 arrived.
+    last_429: AtomicU64,
+    sre: Mutex<SreWindow>,
+    fair: Mutex<FairBoard>,
+    /// Each tenant's fair share in calls per second; empty while the upstream is not contended.
+    shares: ArcSwap<HashMap<Arc<str>, f64>>,
+}
+
+impl Default for SharedUpstream {
+    fn default() -> Self {
+        SharedUpstream {
+            bucket: AtomicBucket::default(),
+            penalty_until: AtomicU64::new(0),
+            multiplier: AtomicU64::new(1.0f64.to_bits()),
+            last_429: AtomicU64::new(0),
+            sre: Mutex::new(SreWindow::default()),
+            fair: Mutex::new(FairBoard::default()),
+            shares: ArcSwap::from_pointee(HashMap::new()),
+        }
+    }
 }
 
 impl SharedUpstream {
+    /// The AIMD multiplier of the configured rate (1 = full rate).
+    pub fn multiplier(&self) -> f64 {
+        f64::from_bits(self.multiplier.load(Ordering::Acquire))
+    }
+
+    pub fn last_429(&self) -> Nanos {
+        self.last_429.load(Ordering::Acquire)
+    }
+
+    pub fn note_429(&self, now: Nanos) {
+        self.last_429.fetch_max(now, Ordering::AcqRel);
+    }
+
+    /// Applies `f` to the multiplier; returns (old, new).
+    pub fn update_multiplier(&self, f: impl Fn(f64) -> f64) -> (f64, f64) {
+        let old = self
+            .multiplier
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                Some(f(f64::from_bits(b)).to_bits())
+            })
+            .map(f64::from_bits)
+            .unwrap_or(1.0);
+        (old, f(old))
+    }
+
+    pub fn sre_record(&self, now: Nanos, window_ns: u64, accepted: bool) {
+        self.sre.lock().record(now, window_ns, accepted);
+    }
+
+    pub fn sre_local_reject(&self, now: Nanos, window_ns: u64) {
+        self.sre.lock().record_local_reject(now, window_ns);
+    }
+
+    pub fn sre_probability(&self, now: Nanos, window_ns: u64, k: f64, min_requests: u64) -> f64 {
+        self.sre
+            .lock()
+            .reject_probability(now, window_ns, k, min_requests)
+    }
+
+    pub fn sre_totals(&self, now: Nanos, window_ns: u64) -> (u64, u64) {
+        self.sre.lock().totals(now, window_ns)
+    }
+
+    /// A tenant's fair share in calls per second, when the upstream is contended.
+    pub fn share_of(&self, tenant: &str) -> Option<f64> {
+        self.shares.load().get(tenant).copied()
+    }
+
+    /// Records a tenant's recent demand and, at most every [`FAIR_SHARE_EVERY`], recomputes everyone's
+    /// max-min fair share of `capacity` (calls per second).
+    pub fn report_demand(
+        &self,
+        tenant: &Arc<str>,
+        rate: f64,
+        weight: f64,
+        now: Nanos,
+        capacity: f64,
+    ) {
+        let mut board = self.fair.lock();
+        board.demands.insert(tenant.clone(), (rate, weight, now));
+        if board
+            .computed_at
+            .is_some_and(|at| now.saturating_sub(at) < FAIR_SHARE_EVERY)
+        {
+            return;
+        }
+        board.computed_at = Some(now);
+        board
+            .demands
+            .retain(|_, d| now.saturating_sub(d.2) <= DEMAND_TTL && d.0 > 0.0);
+        let names: Vec<Arc<str>> = board.demands.keys().cloned().collect();
+        let claims: Vec<(f64, f64)> = names
+            .iter()
+            .map(|n| (board.demands[n].0, board.demands[n].1))
+            .collect();
+        let total: f64 = claims.iter().map(|c| c.0).sum();
+        let shares = if total <= capacity {
+            HashMap::new()
+        } else {
+            names
+                .into_iter()
+                .zip(adaptive::max_min_fair(capacity, &claims))
+                .collect()
+        };
+        self.shares.store(Arc::new(shares));
+    }
+
     pub fn penalty_until(&self) -> Nanos {
         self.penalty_until.load(Ordering::Acquire)
     }
@@ -70,7 +194,12 @@ impl SharedBudgets {
             let o = old.upstreams.get(&**name).and_then(|u| u.bucket);
             let n = new.upstreams.get(&**name).and_then(|u| u.bucket);
             if let (Some(o), Some(n)) = (o, n) {
-                up.bucket.rescale(now, &Gcra::new(o), &Gcra::new(n));
+                let m = up.multiplier();
+                let scale = |b: crate::config::BucketSpec| {
+                    crate::config::BucketSpec::new(b.rate.per_sec * m, b.burst)
+                };
+                up.bucket
+                    .rescale(now, &Gcra::new(scale(o)), &Gcra::new(scale(n)));
             }
         }
         self.rebuild_map(new);

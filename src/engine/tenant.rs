@@ -1,15 +1,21 @@
 //! The admission engine for one tenant: every layer of DESIGN.md, as plain data driven by `now`.
 //!
 //! A [`TenantEngine`] owns one tenant's buckets (subject, subject×tool, tenant, tenant×upstream),
-//! concurrency slots, daily quotas, upstream penalty boxes, leases and the FIFO queue of calls waiting for
-//! a slot. The cross-tenant layers (global, shared upstreams) live in [`SharedBudgets`] and are taken
-//! last. It never blocks, sleeps or spawns: every method takes the monotonic `now` (and the wall clock
-//! where calendar days matter) and returns what happened. The tenant actor feeds it messages and timers;
-//! tests feed it a fake clock.
+//! concurrency slots, daily quotas, upstream penalty boxes, adaptive-throttle windows, leases and the FIFO
+//! queue of calls waiting for a slot. The cross-tenant layers (global, shared upstreams) live in
+//! [`SharedBudgets`] and are taken last. It never blocks, sleeps or spawns: every method takes the
+//! monotonic `now` (and the wall clock where calendar days matter) and returns what happened. The tenant
+//! actor feeds it messages and timers; tests feed it a fake clock.
 //!
 //! Order of checks for a call, each refusal giving back what earlier layers took:
-//! oversized → upstream penalty → concurrency (subject, tenant; may queue) → daily quota (subject,
-//! tenant) → buckets (subject, subject_tool, tenant, tenant_upstream, global).
+//! oversized → upstream penalty → adaptive throttle → concurrency (subject, tenant; may queue) → daily
+//! quota (subject, tenant) → buckets (subject, subject_tool, tenant, tenant_upstream for every upstream
+//! the call spends, global).
+//!
+//! Upstreams are more than a bucket: a 429 reported on release or feedback starts a penalty (until the
+//! upstream's Retry-After), cuts that budget's effective rate (AIMD, see [`super::adaptive`]) and feeds the
+//! adaptive throttle; successes recover it. A tool may spend several upstreams at once (amplification),
+//! charged all or nothing.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -18,13 +24,14 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
 use super::bucket::{Bucket, Gcra, Take};
 use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
-use super::shared::{SharedBudgets, SharedUpstream};
+use super::shared::{SharedBudgets, SharedUpstream, FAIR_SHARE_EVERY};
 use super::types::*;
 use crate::clock::{ceil_ms, ms_until_utc_midnight, utc_day, Nanos, NS_PER_MS, NS_PER_SEC};
-use crate::config::{Config, Mode, TenantLimits};
+use crate::config::{BucketSpec, Config, Mode, TenantLimits, UpstreamConfig};
 
 /// Retry hint for a concurrency refusal before any lease was seen to finish.
 const DEFAULT_HOLD_HINT_NS: u64 = NS_PER_SEC;
@@ -45,7 +52,7 @@ pub struct AdmitRequest {
 pub enum AdmitResult {
     Decided(Decision),
     /// No concurrency slot is free: the call waits in the tenant's queue. Its decision comes from a later
-    /// `release`, `cancel_lease`, `expire` or `expire_waiters` call, by this id.
+    /// `release`, `cancel_lease`, `expire_leases`, `expire_waiters` or `drain_decisions` call, by this id.
     Queued {
         waiter: u64,
         deadline: Nanos,
@@ -70,7 +77,7 @@ pub struct Released {
     pub upstream: Option<Arc<str>>,
     /// The penalty the release started, if it reported a 429.
     pub penalty: Option<Duration>,
-    /// Queued calls that got a slot because of this release.
+    /// Queued calls decided because of this release: granted a slot, or shed by the penalty it started.
     pub granted: Vec<(u64, Decision)>,
 }
 
@@ -82,10 +89,10 @@ pub struct UnknownLease;
 #[derive(Debug, Clone, Default)]
 struct Charge {
     cost: f64,
-    /// Which bucket layers it took from, by `Layer` index. Refunds recompute the amount from the
-    /// current rate and skip layers a reload removed, so a refund after a reload gives back exactly
-    /// the tokens taken: never another layer's, never more.
-    taken: [bool; 5],
+    /// The bucket layers it took from (with the upstream, for upstream layers). Refunds recompute the
+    /// amount from the current rate and skip layers a reload removed, so a refund after a reload gives
+    /// back exactly the tokens taken: never another layer's, never more.
+    taken: Vec<(Layer, Option<Arc<str>>)>,
     quota_day: i64,
     quota_subject: bool,
     quota_tenant: bool,
@@ -93,9 +100,7 @@ struct Charge {
 
 #[derive(Debug, Clone)]
 struct Lease {
-    subject: Arc<str>,
-    tool: Arc<str>,
-    upstream: Option<Arc<str>>,
+    resolved: Resolved,
     /// Holds one subject and one tenant concurrency slot (false for shadow-mode stand-in leases).
     slots: bool,
     charge: Option<Charge>,
@@ -172,10 +177,51 @@ impl SubjectState {
     }
 }
 
-#[derive(Debug, Default)]
+/// This tenant's view of one upstream.
+#[derive(Debug)]
 struct UpstreamState {
+    /// The per-tenant budget (upstreams that are not shared).
     bucket: Bucket,
+    /// This tenant's fair-share sub-bucket of a contended shared upstream.
+    fair: Bucket,
+    /// Per-tenant penalty box (upstreams that are not shared).
     penalty_until: Nanos,
+    /// AIMD multiplier of the configured rate (upstreams that are not shared).
+    multiplier: f64,
+    /// When the last 429 arrived; a cut is forgotten once no 429 came for the adaptive window.
+    last_429: Nanos,
+    /// Adaptive-throttle window (upstreams that are not shared).
+    sre: SreWindow,
+    /// Calls that named this (shared) upstream since `demand_since`, for fair-share demand reports.
+    demand: u64,
+    demand_since: Nanos,
+}
+
+impl Default for UpstreamState {
+    fn default() -> Self {
+        UpstreamState {
+            bucket: Bucket::default(),
+            fair: Bucket::default(),
+            penalty_until: 0,
+            multiplier: 1.0,
+            last_429: 0,
+            sre: SreWindow::default(),
+            demand: 0,
+            demand_since: 0,
+        }
+    }
+}
+
+impl UpstreamState {
+    fn is_resting(&self, now: Nanos, sre_window: u64) -> bool {
+        self.bucket.is_resting(now)
+            && self.fair.is_resting(now)
+            && self.penalty_until <= now
+            && (self.multiplier >= 1.0
+                || now.saturating_sub(self.last_429) > forget_after(sre_window))
+            && self.sre.is_idle(now, sre_window)
+            && (self.demand == 0 || now.saturating_sub(self.demand_since) > 10 * NS_PER_SEC)
+    }
 }
 
 /// One bucket layer as it applies to one call.
@@ -183,7 +229,46 @@ struct UpstreamState {
 struct LayerPlan {
     layer: Layer,
     g: Gcra,
+    /// Tokens this call takes from the layer per unit of cost (upstream amplification; 1 elsewhere).
+    units: f64,
+    upstream: Option<Arc<str>>,
     shared: Option<Arc<SharedUpstream>>,
+    /// This tenant's fair share of a contended shared upstream.
+    fair: Option<Gcra>,
+    /// The AIMD multiplier applied to the configured rate (upstream layers).
+    multiplier: f64,
+}
+
+impl LayerPlan {
+    fn simple(layer: Layer, g: Gcra) -> Self {
+        LayerPlan {
+            layer,
+            g,
+            units: 1.0,
+            upstream: None,
+            shared: None,
+            fair: None,
+            multiplier: 1.0,
+        }
+    }
+
+    fn same_layer(&self, layer: Layer, upstream: &Option<Arc<str>>) -> bool {
+        self.layer == layer && self.upstream == *upstream
+    }
+}
+
+/// How long an AIMD cut is remembered without a new 429: the adaptive window (2 minutes by default).
+fn forget_after(sre_window: u64) -> u64 {
+    if sre_window == 0 {
+        120 * NS_PER_SEC
+    } else {
+        sre_window
+    }
+}
+
+/// A budget's shape at an AIMD multiplier.
+fn scaled(spec: BucketSpec, m: f64) -> Gcra {
+    Gcra::new(BucketSpec::new(spec.rate.per_sec * m, spec.burst))
 }
 
 /// The tenant's policy, resolved from one config generation.
@@ -191,6 +276,7 @@ struct LayerPlan {
 struct Policy {
     cfg: Arc<Config>,
     limits: TenantLimits,
+    weight: f64,
     subject_g: Gcra,
     tenant_g: Gcra,
     global_g: Gcra,
@@ -203,9 +289,14 @@ impl Policy {
             subject_g: Gcra::new(limits.subject.bucket),
             tenant_g: Gcra::new(limits.tenant.bucket),
             global_g: Gcra::new(cfg.limits.global.bucket),
+            weight: cfg.tenant_weight(tenant),
             limits,
             cfg,
         }
+    }
+
+    fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
+        self.cfg.upstreams.get(name)
     }
 }
 
@@ -222,6 +313,9 @@ pub struct TenantEngine {
     leases: HashMap<u64, Lease>,
     expiries: BinaryHeap<Reverse<(Nanos, u64)>>,
     waiters: VecDeque<Waiter>,
+    /// Decisions for queued calls made outside `release` (a penalty from feedback sheds the calls
+    /// queued for that upstream at once); the actor collects them with `drain_decisions`.
+    pending: Vec<(u64, Decision)>,
     next_id: u64,
     rng: Rng,
     /// Moving average of how long leases are held, for concurrency retry hints.
@@ -245,6 +339,7 @@ impl TenantEngine {
             leases: HashMap::new(),
             expiries: BinaryHeap::new(),
             waiters: VecDeque::new(),
+            pending: Vec::new(),
             next_id,
             rng,
             hold_avg_ns: None,
@@ -283,10 +378,13 @@ impl TenantEngine {
             });
         }
         for (name, u) in self.upstreams.iter_mut() {
-            let o = old.cfg.upstreams.get(&**name).and_then(|u| u.bucket);
-            let n = new.cfg.upstreams.get(&**name).and_then(|u| u.bucket);
+            let o = old.upstream(name).and_then(|u| u.bucket);
+            let n = new.upstream(name).and_then(|u| u.bucket);
             match (o, n) {
-                (Some(o), Some(n)) => u.bucket.rescale(now, &Gcra::new(o), &Gcra::new(n)),
+                (Some(o), Some(n)) => {
+                    u.bucket
+                        .rescale(now, &scaled(o, u.multiplier), &scaled(n, u.multiplier))
+                }
                 _ => u.bucket = Bucket::default(),
             }
         }
@@ -297,13 +395,31 @@ impl TenantEngine {
         self.next_id
     }
 
-    /// Applies tool defaults: upstream, then cost.
+    /// Applies tool defaults: upstreams (the request's, else the tool's), then cost.
     pub fn resolve(&self, req: &AdmitRequest) -> Resolved {
         let tool = self.policy.cfg.tools.get(&*req.tool);
-        let upstream = req
-            .upstream
-            .clone()
-            .or_else(|| tool.and_then(|t| t.upstream.as_deref()).map(Arc::from));
+        let upstreams: Vec<(Arc<str>, f64)> = match &req.upstream {
+            Some(u) => {
+                let units = tool
+                    .and_then(|t| t.upstreams.iter().find(|(n, _)| **n == **u))
+                    .map_or(1.0, |x| x.1);
+                vec![(u.clone(), units)]
+            }
+            None => tool.map_or_else(Vec::new, |t| {
+                t.upstreams
+                    .iter()
+                    .map(|(n, x)| (Arc::from(n.as_str()), *x))
+                    .collect()
+            }),
+        };
+        // The primary upstream names the call in metrics and texts: the one it spends most of.
+        let upstream = upstreams
+            .iter()
+            .fold(None::<&(Arc<str>, f64)>, |best, u| match best {
+                Some(b) if b.1 >= u.1 => Some(b),
+                _ => Some(u),
+            })
+            .map(|u| u.0.clone());
         let cost = req
             .cost
             .or_else(|| tool.and_then(|t| t.cost))
@@ -312,70 +428,74 @@ impl TenantEngine {
             subject: req.subject.clone(),
             tool: req.tool.clone(),
             upstream,
+            upstreams,
             cost,
         }
     }
 
     fn plan(&self, r: &Resolved) -> Vec<LayerPlan> {
         let p = &self.policy;
-        let mut v = Vec::with_capacity(5);
-        v.push(LayerPlan {
-            layer: Layer::Subject,
-            g: p.subject_g,
-            shared: None,
-        });
+        let mut v = Vec::with_capacity(4 + r.upstreams.len());
+        v.push(LayerPlan::simple(Layer::Subject, p.subject_g));
         if let Some(b) = p.cfg.tools.get(&*r.tool).and_then(|t| t.bucket) {
+            v.push(LayerPlan::simple(Layer::SubjectTool, Gcra::new(b)));
+        }
+        v.push(LayerPlan::simple(Layer::Tenant, p.tenant_g));
+        for (up, units) in &r.upstreams {
+            let Some(cfg) = p.upstream(up) else { continue };
+            let Some(spec) = cfg.bucket else { continue };
+            let (shared, multiplier) = if cfg.shared {
+                match self.shared.upstream(up) {
+                    Some(s) => {
+                        let m = s.multiplier();
+                        (Some(s), m)
+                    }
+                    None => continue,
+                }
+            } else {
+                (None, self.upstreams.get(up).map_or(1.0, |u| u.multiplier))
+            };
+            let capacity = spec.rate.per_sec * multiplier;
+            let fair = shared
+                .as_ref()
+                .and_then(|s| s.share_of(&self.tenant))
+                .map(|share| {
+                    let share = share.max(capacity * 1e-3);
+                    Gcra::new(BucketSpec::new(
+                        share,
+                        (spec.burst * share / capacity).clamp(1.0, spec.burst),
+                    ))
+                });
             v.push(LayerPlan {
-                layer: Layer::SubjectTool,
-                g: Gcra::new(b),
-                shared: None,
+                layer: Layer::TenantUpstream,
+                g: scaled(spec, multiplier),
+                units: *units,
+                upstream: Some(up.clone()),
+                shared,
+                fair,
+                multiplier,
             });
         }
-        v.push(LayerPlan {
-            layer: Layer::Tenant,
-            g: p.tenant_g,
-            shared: None,
-        });
-        if let Some(up) = &r.upstream {
-            if let Some(u) = p.cfg.upstreams.get(&**up) {
-                if let Some(b) = u.bucket {
-                    let shared = if u.shared {
-                        self.shared.upstream(up)
-                    } else {
-                        None
-                    };
-                    v.push(LayerPlan {
-                        layer: Layer::TenantUpstream,
-                        g: Gcra::new(b),
-                        shared,
-                    });
-                }
-            }
-        }
-        v.push(LayerPlan {
-            layer: Layer::Global,
-            g: p.global_g,
-            shared: None,
-        });
+        v.push(LayerPlan::simple(Layer::Global, p.global_g));
         v
     }
 
     fn is_shared_upstream(&self, upstream: Option<&str>) -> bool {
         upstream
-            .and_then(|u| self.policy.cfg.upstreams.get(u))
+            .and_then(|u| self.policy.upstream(u))
             .is_some_and(|u| u.shared)
     }
 
     // ---- per-layer bucket access ----
 
-    fn take_layer(
-        &mut self,
-        lp: &LayerPlan,
-        r: &Resolved,
-        now: Nanos,
-        inc: u64,
-        max_wait: u64,
-    ) -> Take {
+    /// The fair-share sub-bucket applies when the tenant has a share and the call fits it.
+    fn fair_of(lp: &LayerPlan, tokens: f64) -> Option<Gcra> {
+        lp.fair.filter(|f| !f.oversized(tokens))
+    }
+
+    fn take_layer(&mut self, lp: &LayerPlan, r: &Resolved, now: Nanos, max_wait: u64) -> Take {
+        let tokens = r.cost * lp.units;
+        let inc = lp.g.increment(tokens);
         match lp.layer {
             Layer::Subject => self
                 .subject_mut(&r.subject)
@@ -386,15 +506,43 @@ impl TenantEngine {
                 .tool_bucket(&r.tool)
                 .take(&lp.g, now, inc, max_wait),
             Layer::Tenant => self.tenant_bucket.take(&lp.g, now, inc, max_wait),
-            Layer::TenantUpstream => match &lp.shared {
-                Some(s) => s.bucket.take(&lp.g, now, inc, max_wait),
-                None => self.upstream_mut(r).bucket.take(&lp.g, now, inc, max_wait),
-            },
+            Layer::TenantUpstream => {
+                let name = lp.upstream.clone().unwrap_or_else(|| Arc::from(""));
+                let Some(s) = &lp.shared else {
+                    return self
+                        .upstream_mut(&name)
+                        .bucket
+                        .take(&lp.g, now, inc, max_wait);
+                };
+                let mut wait = 0;
+                let fair = Self::fair_of(lp, tokens);
+                if let Some(f) = fair {
+                    match self
+                        .upstream_mut(&name)
+                        .fair
+                        .take(&f, now, f.increment(tokens), max_wait)
+                    {
+                        Take::Ok { wait: w } => wait = w,
+                        short => return short,
+                    }
+                }
+                match s.bucket.take(&lp.g, now, inc, max_wait) {
+                    Take::Ok { wait: w } => Take::Ok { wait: wait.max(w) },
+                    short => {
+                        if let Some(f) = fair {
+                            self.upstream_mut(&name).fair.refund(f.increment(tokens));
+                        }
+                        short
+                    }
+                }
+            }
             Layer::Global => self.shared.global.take(&lp.g, now, inc, max_wait),
         }
     }
 
-    fn refund_layer(&mut self, lp: &LayerPlan, r: &Resolved, inc: u64) {
+    fn refund_layer(&mut self, lp: &LayerPlan, r: &Resolved) {
+        let tokens = r.cost * lp.units;
+        let inc = lp.g.increment(tokens);
         match lp.layer {
             Layer::Subject => self.subject_mut(&r.subject).bucket.refund(inc),
             Layer::SubjectTool => self
@@ -402,15 +550,25 @@ impl TenantEngine {
                 .tool_bucket(&r.tool)
                 .refund(inc),
             Layer::Tenant => self.tenant_bucket.refund(inc),
-            Layer::TenantUpstream => match &lp.shared {
-                Some(s) => s.bucket.refund(inc),
-                None => self.upstream_mut(r).bucket.refund(inc),
-            },
+            Layer::TenantUpstream => {
+                let name = lp.upstream.clone().unwrap_or_else(|| Arc::from(""));
+                match &lp.shared {
+                    Some(s) => {
+                        s.bucket.refund(inc);
+                        if let Some(f) = Self::fair_of(lp, tokens) {
+                            self.upstream_mut(&name).fair.refund(f.increment(tokens));
+                        }
+                    }
+                    None => self.upstream_mut(&name).bucket.refund(inc),
+                }
+            }
             Layer::Global => self.shared.global.refund(inc),
         }
     }
 
-    fn promise_layer(&mut self, lp: &LayerPlan, r: &Resolved, now: Nanos, inc: u64) -> u64 {
+    fn promise_layer(&mut self, lp: &LayerPlan, r: &Resolved, now: Nanos) -> u64 {
+        let tokens = r.cost * lp.units;
+        let inc = lp.g.increment(tokens);
         match lp.layer {
             Layer::Subject => self.subject_mut(&r.subject).bucket.promise(&lp.g, now, inc),
             Layer::SubjectTool => self
@@ -418,45 +576,72 @@ impl TenantEngine {
                 .tool_bucket(&r.tool)
                 .promise(&lp.g, now, inc),
             Layer::Tenant => self.tenant_bucket.promise(&lp.g, now, inc),
-            Layer::TenantUpstream => match &lp.shared {
-                Some(s) => s.bucket.promise(&lp.g, now, inc),
-                None => self.upstream_mut(r).bucket.promise(&lp.g, now, inc),
-            },
+            Layer::TenantUpstream => {
+                let name = lp.upstream.clone().unwrap_or_else(|| Arc::from(""));
+                match &lp.shared {
+                    Some(s) => {
+                        let fair = match Self::fair_of(lp, tokens) {
+                            Some(f) => {
+                                let u = self.upstream_mut(&name);
+                                if u.fair.peek(&f, now, f.increment(tokens)) > 0 {
+                                    u.fair.promise(&f, now, f.increment(tokens))
+                                } else {
+                                    0
+                                }
+                            }
+                            None => 0,
+                        };
+                        let shared = if s.bucket.peek(&lp.g, now, inc) > 0 {
+                            s.bucket.promise(&lp.g, now, inc)
+                        } else {
+                            0
+                        };
+                        fair.max(shared)
+                    }
+                    None => self.upstream_mut(&name).bucket.promise(&lp.g, now, inc),
+                }
+            }
             Layer::Global => self.shared.global.promise(&lp.g, now, inc),
         }
     }
 
-    /// (remaining whole tokens, ns until full, shortfall of `inc`) without changing anything.
-    fn peek_layer(&self, lp: &LayerPlan, r: &Resolved, now: Nanos, inc: u64) -> (u64, u64, u64) {
-        let local = |b: Option<&Bucket>| {
+    /// (remaining whole tokens, ns until full, shortfall of this call) without changing anything.
+    fn peek_layer(&self, lp: &LayerPlan, r: &Resolved, now: Nanos) -> (u64, u64, u64) {
+        let tokens = r.cost * lp.units;
+        let inc = lp.g.increment(tokens);
+        let local = |g: &Gcra, inc: u64, b: Option<&Bucket>| {
             let b = b.copied().unwrap_or_default();
-            (
-                b.remaining(&lp.g, now),
-                b.reset_ns(now),
-                b.peek(&lp.g, now, inc),
-            )
+            (b.remaining(g, now), b.reset_ns(now), b.peek(g, now, inc))
         };
         match lp.layer {
-            Layer::Subject => local(self.subjects.get(&r.subject).map(|s| &s.bucket)),
+            Layer::Subject => local(&lp.g, inc, self.subjects.get(&r.subject).map(|s| &s.bucket)),
             Layer::SubjectTool => local(
+                &lp.g,
+                inc,
                 self.subjects
                     .get(&r.subject)
                     .and_then(|s| s.tools.iter().find(|(t, _)| *t == r.tool).map(|(_, b)| b)),
             ),
-            Layer::Tenant => local(Some(&self.tenant_bucket)),
-            Layer::TenantUpstream => match &lp.shared {
-                Some(s) => (
-                    s.bucket.remaining(&lp.g, now),
-                    s.bucket.reset_ns(now),
-                    s.bucket.peek(&lp.g, now, inc),
-                ),
-                None => local(
-                    r.upstream
-                        .as_ref()
-                        .and_then(|u| self.upstreams.get(u))
-                        .map(|u| &u.bucket),
-                ),
-            },
+            Layer::Tenant => local(&lp.g, inc, Some(&self.tenant_bucket)),
+            Layer::TenantUpstream => {
+                let state = lp.upstream.as_ref().and_then(|u| self.upstreams.get(u));
+                match &lp.shared {
+                    Some(s) => {
+                        let mut out = (
+                            s.bucket.remaining(&lp.g, now),
+                            s.bucket.reset_ns(now),
+                            s.bucket.peek(&lp.g, now, inc),
+                        );
+                        if let Some(f) = Self::fair_of(lp, tokens) {
+                            let (r2, t2, sh2) =
+                                local(&f, f.increment(tokens), state.map(|u| &u.fair));
+                            out = (out.0.min(r2), out.1.max(t2), out.2.max(sh2));
+                        }
+                        out
+                    }
+                    None => local(&lp.g, inc, state.map(|u| &u.bucket)),
+                }
+            }
             Layer::Global => {
                 let b = &self.shared.global;
                 (
@@ -471,7 +656,7 @@ impl TenantEngine {
     fn layer_states(&self, plan: &[LayerPlan], r: &Resolved, now: Nanos) -> Vec<LayerState> {
         plan.iter()
             .map(|lp| {
-                let (remaining, reset_ns, _) = self.peek_layer(lp, r, now, 0);
+                let (remaining, reset_ns, _) = self.peek_layer(lp, r, now);
                 LayerState {
                     layer: lp.layer,
                     burst: lp.g.burst,
@@ -492,9 +677,12 @@ impl TenantEngine {
         self.subjects.get_mut(subject).expect("inserted above")
     }
 
-    fn upstream_mut(&mut self, r: &Resolved) -> &mut UpstreamState {
-        let name = r.upstream.clone().unwrap_or_else(|| Arc::from(""));
-        self.upstreams.entry(name).or_default()
+    fn upstream_mut(&mut self, name: &Arc<str>) -> &mut UpstreamState {
+        if !self.upstreams.contains_key(name) {
+            self.upstreams
+                .insert(name.clone(), UpstreamState::default());
+        }
+        self.upstreams.get_mut(name).expect("inserted above")
     }
 
     // ---- admission ----
@@ -503,12 +691,17 @@ impl TenantEngine {
     pub fn admit(&mut self, req: &AdmitRequest, now: Nanos, wall_ms: i64) -> AdmitResult {
         self.last_active = now;
         let r = self.resolve(req);
+        self.settle_cuts(&r, now);
+        self.note_demand(&r, now);
         let plan = self.plan(&r);
 
         if let Some(shed) = self.oversized(&r, &plan) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
         if let Some(shed) = self.penalty(&r, now) {
+            return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
+        }
+        if let Some(shed) = self.adaptive(&r, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
         if self.slots_free(&r.subject) {
@@ -541,12 +734,77 @@ impl TenantEngine {
         AdmitResult::Decided(self.refuse(r, &plan, shed, now))
     }
 
+    /// Forgets AIMD cuts on the call's upstreams that saw no 429 for the adaptive window: with no recent
+    /// evidence the upstream is overloaded, the configured rate applies again.
+    fn settle_cuts(&mut self, r: &Resolved, now: Nanos) {
+        for (up, _) in &r.upstreams {
+            let Some(cfg) = self.policy.upstream(up) else {
+                continue;
+            };
+            let (forget, spec) = (forget_after(self.sre_window(up)), cfg.bucket);
+            if cfg.shared {
+                if let (Some(s), Some(spec)) = (self.shared.upstream(up), spec) {
+                    if s.multiplier() < 1.0 && now.saturating_sub(s.last_429()) > forget {
+                        let (old, new) = s.update_multiplier(|_| 1.0);
+                        s.bucket
+                            .rescale(now, &scaled(spec, old), &scaled(spec, new));
+                    }
+                }
+            } else if let Some(u) = self.upstreams.get_mut(up) {
+                if u.multiplier < 1.0 && now.saturating_sub(u.last_429) > forget {
+                    if let Some(spec) = spec {
+                        u.bucket
+                            .rescale(now, &scaled(spec, u.multiplier), &scaled(spec, 1.0));
+                    }
+                    u.multiplier = 1.0;
+                }
+            }
+        }
+    }
+
+    /// Counts calls per shared upstream and reports the rate for the fair share every 250 ms.
+    fn note_demand(&mut self, r: &Resolved, now: Nanos) {
+        for (up, units) in &r.upstreams {
+            let Some(spec) = self
+                .policy
+                .upstream(up)
+                .filter(|c| c.shared)
+                .and_then(|c| c.bucket)
+            else {
+                continue;
+            };
+            let Some(s) = self.shared.upstream(up) else {
+                continue;
+            };
+            let weight = self.policy.weight;
+            let tokens = (r.cost * units).max(1e-9);
+            let u = self.upstream_mut(up);
+            if u.demand == 0 {
+                u.demand_since = now;
+            }
+            u.demand += 1;
+            let elapsed = now.saturating_sub(u.demand_since);
+            if elapsed >= FAIR_SHARE_EVERY {
+                // The window opens at its first call, so n calls span n - 1 intervals.
+                let rate = (u.demand - 1) as f64 * tokens / (elapsed as f64 / NS_PER_SEC as f64);
+                u.demand = 0;
+                s.report_demand(
+                    &self.tenant,
+                    rate,
+                    weight,
+                    now,
+                    spec.rate.per_sec * s.multiplier(),
+                );
+            }
+        }
+    }
+
     fn oversized(&self, r: &Resolved, plan: &[LayerPlan]) -> Option<Shed> {
         let limits = &self.policy.limits;
         let mut limit = plan
             .iter()
-            .find(|lp| lp.g.oversized(r.cost))
-            .map(|lp| lp.g.burst);
+            .find(|lp| lp.g.oversized(r.cost * lp.units))
+            .map(|lp| lp.g.burst / lp.units);
         for q in [limits.subject.daily_quota, limits.tenant.daily_quota]
             .into_iter()
             .flatten()
@@ -556,7 +814,7 @@ impl TenantEngine {
             }
         }
         let limit = limit?;
-        let cx = self.refusal_cx(r, limit);
+        let cx = self.refusal_cx(r, r.upstream.as_deref(), limit);
         Some(Shed {
             scope: Scope::Oversized,
             retry_after_ms: 0,
@@ -566,17 +824,28 @@ impl TenantEngine {
         })
     }
 
-    fn refusal_cx<'a>(&self, r: &'a Resolved, limit: f64) -> RefusalContext<'a> {
+    fn refusal_cx<'a>(
+        &self,
+        r: &'a Resolved,
+        upstream: Option<&'a str>,
+        limit: f64,
+    ) -> RefusalContext<'a> {
         RefusalContext {
             tool: &r.tool,
-            upstream: r.upstream.as_deref(),
-            shared_upstream: self.is_shared_upstream(r.upstream.as_deref()),
+            upstream,
+            shared_upstream: self.is_shared_upstream(upstream),
             cost: r.cost,
             limit,
         }
     }
 
-    fn make_shed(&mut self, r: &Resolved, scope: Scope, wait_ns: u64) -> Shed {
+    fn make_shed(
+        &mut self,
+        r: &Resolved,
+        upstream: Option<&str>,
+        scope: Scope,
+        wait_ns: u64,
+    ) -> Shed {
         // A little jitter (up to 5% of the wait, at most 100 ms) keeps callers told the same moment from
         // arriving in the same millisecond; it only ever adds, so nobody is told to come back early.
         // A daily quota resets at one fixed instant for everyone: no jitter there.
@@ -586,7 +855,7 @@ impl TenantEngine {
             self.rng.below_or_eq((wait_ns / 20).min(100 * NS_PER_MS))
         };
         let retry_after_ms = ceil_ms(wait_ns.saturating_add(jitter)).max(1);
-        let cx = self.refusal_cx(r, 0.0);
+        let cx = self.refusal_cx(r, upstream, 0.0);
         Shed {
             scope,
             retry_after_ms,
@@ -596,13 +865,71 @@ impl TenantEngine {
         }
     }
 
+    fn penalty_until(&self, upstream: &str) -> Nanos {
+        if self.is_shared_upstream(Some(upstream)) {
+            if let Some(s) = self.shared.upstream(upstream) {
+                return s.penalty_until();
+            }
+        }
+        self.upstreams.get(upstream).map_or(0, |u| u.penalty_until)
+    }
+
+    /// The longest penalty among the call's upstreams, as (upstream, nanoseconds left).
+    fn longest_penalty(&self, r: &Resolved, now: Nanos) -> Option<(Arc<str>, u64)> {
+        r.upstreams
+            .iter()
+            .map(|(u, _)| (u.clone(), self.penalty_until(u).saturating_sub(now)))
+            .filter(|(_, left)| *left > 0)
+            .max_by_key(|(_, left)| *left)
+    }
+
     fn penalty(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
-        let up = r.upstream.as_ref()?;
-        let until = match self.shared.upstream(up) {
-            Some(s) if self.is_shared_upstream(Some(up)) => s.penalty_until(),
-            _ => self.upstreams.get(up).map_or(0, |u| u.penalty_until),
-        };
-        (until > now).then(|| self.make_shed(r, Scope::UpstreamPenalty, until - now))
+        let (up, left) = self.longest_penalty(r, now)?;
+        Some(self.make_shed(r, Some(&up), Scope::UpstreamPenalty, left))
+    }
+
+    /// Google SRE client-side throttling, per upstream the call spends.
+    fn adaptive(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
+        for (up, _) in &r.upstreams {
+            let Some(cfg) = self.policy.upstream(up) else {
+                continue;
+            };
+            let Some(a) = cfg.adaptive else { continue };
+            let window = a.window.as_nanos() as u64;
+            let shared = if cfg.shared {
+                self.shared.upstream(up)
+            } else {
+                None
+            };
+            let p = match &shared {
+                Some(s) => s.sre_probability(now, window, a.k, a.min_requests),
+                None => match self.upstreams.get_mut(up) {
+                    Some(u) => u.sre.reject_probability(now, window, a.k, a.min_requests),
+                    None => 0.0,
+                },
+            };
+            if p > 0.0 && self.rng.unit() < p {
+                match &shared {
+                    Some(s) => s.sre_local_reject(now, window),
+                    None => self.upstream_mut(up).sre.record_local_reject(now, window),
+                }
+                // The more the upstream rejects, the longer it takes to recover: wait 2 s per
+                // accepted-to-rejected ratio, between 1 and 30 seconds.
+                let wait = (2.0 * p / (1.0 - p).max(0.05)).clamp(1.0, 30.0);
+                let mut shed = self.make_shed(
+                    r,
+                    Some(up),
+                    Scope::Adaptive,
+                    (wait * NS_PER_SEC as f64) as u64,
+                );
+                shed.reason = format!(
+                    "upstream is rejecting requests (throttling {:.0}% of calls)",
+                    p * 100.0
+                );
+                return Some(shed);
+            }
+        }
+        None
     }
 
     fn slots_free(&self, subject: &Arc<str>) -> bool {
@@ -637,7 +964,7 @@ impl TenantEngine {
             .hold_avg_ns
             .map_or(DEFAULT_HOLD_HINT_NS, |h| h as u64)
             .clamp(100 * NS_PER_MS, 60 * NS_PER_SEC);
-        self.make_shed(r, Scope::Concurrency, hint)
+        self.make_shed(r, r.upstream.clone().as_deref(), Scope::Concurrency, hint)
     }
 
     /// Quota and buckets, once the call holds its concurrency slots.
@@ -651,23 +978,20 @@ impl TenantEngine {
         queued_ns: u64,
     ) -> Decision {
         let day = utc_day(wall_ms);
-        let limits = self.policy.limits.clone();
+        let (subject_quota, tenant_quota) = (
+            self.policy.limits.subject.daily_quota,
+            self.policy.limits.tenant.daily_quota,
+        );
         let subj_used = self
             .subjects
             .get(&r.subject)
             .map_or(0.0, |s| s.quota.used_on(day));
-        let over_subject = limits
-            .subject
-            .daily_quota
-            .is_some_and(|q| subj_used + r.cost > q + 1e-9);
-        let over_tenant = limits
-            .tenant
-            .daily_quota
-            .is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
+        let over_subject = subject_quota.is_some_and(|q| subj_used + r.cost > q + 1e-9);
+        let over_tenant = tenant_quota.is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
         if over_subject || over_tenant {
             self.free_slots(&r.subject);
             let wait = ms_until_utc_midnight(wall_ms) * NS_PER_MS;
-            let shed = self.make_shed(&r, Scope::DailyQuota, wait);
+            let shed = self.make_shed(&r, r.upstream.clone().as_deref(), Scope::DailyQuota, wait);
             return self.refuse(r, plan, shed, now);
         }
         let mut charge = Charge {
@@ -675,33 +999,42 @@ impl TenantEngine {
             quota_day: day,
             ..Charge::default()
         };
-        if limits.subject.daily_quota.is_some() {
+        if subject_quota.is_some() {
             self.subject_mut(&r.subject).quota.add(day, r.cost);
             charge.quota_subject = true;
         }
-        if limits.tenant.daily_quota.is_some() {
+        if tenant_quota.is_some() {
             self.quota.add(day, r.cost);
             charge.quota_tenant = true;
         }
 
         let mut hold = 0u64;
         for (i, lp) in plan.iter().enumerate() {
-            let inc = lp.g.increment(r.cost);
-            match self.take_layer(lp, &r, now, inc, max_wait) {
+            match self.take_layer(lp, &r, now, max_wait) {
                 Take::Ok { wait } => {
-                    charge.taken[lp.layer as usize] = true;
+                    charge.taken.push((lp.layer, lp.upstream.clone()));
                     hold = hold.max(wait);
                 }
                 Take::Short { .. } => {
                     // Give back everything, then promise this caller a slot behind earlier refusals.
                     self.undo_charge(&r, plan, &charge);
                     self.free_slots(&r.subject);
-                    let mut wait = self.promise_layer(lp, &r, now, inc);
+                    let mut wait = self.promise_layer(lp, &r, now);
                     for later in &plan[i + 1..] {
-                        wait =
-                            wait.max(self.peek_layer(later, &r, now, later.g.increment(r.cost)).2);
+                        wait = wait.max(self.peek_layer(later, &r, now).2);
                     }
-                    let shed = self.make_shed(&r, lp.layer.scope(), wait);
+                    // An upstream that asked for a longer pause than the bucket's wait sets the hint.
+                    if let Some((_, left)) = self.longest_penalty(&r, now) {
+                        wait = wait.max(left);
+                    }
+                    let upstream = lp.upstream.clone().or_else(|| r.upstream.clone());
+                    let mut shed = self.make_shed(&r, upstream.as_deref(), lp.layer.scope(), wait);
+                    if lp.layer == Layer::TenantUpstream && lp.multiplier < 1.0 {
+                        shed.reason = format!(
+                            "rate limit reached (the upstream answered 429, so its budget is cut to {:.0}%)",
+                            lp.multiplier * 100.0
+                        );
+                    }
                     return self.refuse(r, plan, shed, now);
                 }
             }
@@ -711,12 +1044,11 @@ impl TenantEngine {
         let expires = now
             .saturating_add(hold)
             .saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
+        let layers = self.layer_states(plan, &r, now);
         self.leases.insert(
             lease,
             Lease {
-                subject: r.subject.clone(),
-                tool: r.tool.clone(),
-                upstream: r.upstream.clone(),
+                resolved: r.clone(),
                 slots: true,
                 charge: (hold > 0).then_some(charge),
                 hold_until: now.saturating_add(hold),
@@ -725,7 +1057,6 @@ impl TenantEngine {
             },
         );
         self.expiries.push(Reverse((expires, lease)));
-        let layers = self.layer_states(plan, &r, now);
         Decision {
             verdict: Verdict::Admitted(Admitted {
                 lease,
@@ -740,9 +1071,13 @@ impl TenantEngine {
     }
 
     fn undo_charge(&mut self, r: &Resolved, plan: &[LayerPlan], charge: &Charge) {
+        let r = Resolved {
+            cost: charge.cost,
+            ..r.clone()
+        };
         for lp in plan {
-            if charge.taken[lp.layer as usize] {
-                self.refund_layer(lp, r, lp.g.increment(charge.cost));
+            if charge.taken.iter().any(|(l, u)| lp.same_layer(*l, u)) {
+                self.refund_layer(lp, &r);
             }
         }
         if charge.quota_subject {
@@ -768,9 +1103,7 @@ impl TenantEngine {
                 self.leases.insert(
                     lease,
                     Lease {
-                        subject: r.subject.clone(),
-                        tool: r.tool.clone(),
-                        upstream: r.upstream.clone(),
+                        resolved: r.clone(),
                         slots: false,
                         charge: None,
                         hold_until: now,
@@ -797,7 +1130,8 @@ impl TenantEngine {
 
     // ---- after admission ----
 
-    /// Ends a lease: frees its slot, records how long it was held and starts a penalty on a 429.
+    /// Ends a lease: frees its slot, records how long it was held, and feeds what the upstream said into
+    /// the penalty box, the AIMD rate and the adaptive throttle.
     pub fn release(
         &mut self,
         lease: u64,
@@ -808,7 +1142,7 @@ impl TenantEngine {
         self.last_active = now;
         let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
         if l.slots {
-            self.free_slots(&l.subject);
+            self.free_slots(&l.resolved.subject);
             let held = now.saturating_sub(l.created) as f64;
             self.hold_avg_ns = Some(match self.hold_avg_ns {
                 Some(avg) => avg * 0.8 + held * 0.2,
@@ -817,22 +1151,50 @@ impl TenantEngine {
         }
         let rate_limited =
             info.outcome == Outcome::UpstreamRateLimited || info.upstream_status == Some(429);
-        let penalty = match (&l.upstream, rate_limited) {
-            (Some(up), true) => {
-                let d = info.retry_after.unwrap_or(Duration::from_secs(1));
-                self.penalise(up, d, now);
-                Some(d)
+        let mut penalty = None;
+        if rate_limited && !l.resolved.upstreams.is_empty() {
+            let d = info.retry_after.unwrap_or(Duration::from_secs(1));
+            for (up, _) in &l.resolved.upstreams {
+                self.upstream_rate_limited(up, d, now);
             }
-            _ => None,
-        };
-        let granted = self.grant_waiting(now, wall_ms);
+            penalty = Some(d);
+        } else if info.outcome != Outcome::Cancelled {
+            // 503 is the other "overloaded" answer: not an accept, but no penalty either.
+            let accepted = info.upstream_status != Some(503);
+            let healthy =
+                info.outcome == Outcome::Ok && info.upstream_status.is_none_or(|s| s < 500);
+            for (up, _) in &l.resolved.upstreams {
+                self.upstream_answered(up, accepted, healthy, now);
+            }
+        }
+        let mut granted = std::mem::take(&mut self.pending);
+        granted.extend(self.grant_waiting(now, wall_ms));
+        let r = l.resolved;
         Ok(Released {
-            subject: l.subject,
-            tool: l.tool,
-            upstream: l.upstream,
+            subject: r.subject,
+            tool: r.tool,
+            upstream: r.upstream,
             penalty,
             granted,
         })
+    }
+
+    fn end_lease(
+        &mut self,
+        lease: u64,
+        refund: bool,
+        now: Nanos,
+        wall_ms: i64,
+    ) -> Result<Vec<(u64, Decision)>, UnknownLease> {
+        let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
+        if let Some(charge) = l.charge.as_ref().filter(|_| refund) {
+            let plan = self.plan(&l.resolved);
+            self.undo_charge(&l.resolved, &plan, charge);
+        }
+        if l.slots {
+            self.free_slots(&l.resolved.subject);
+        }
+        Ok(self.grant_waiting(now, wall_ms))
     }
 
     /// Gives back everything a held call took, because its caller went away before the hold ended.
@@ -843,21 +1205,28 @@ impl TenantEngine {
         now: Nanos,
         wall_ms: i64,
     ) -> Result<Vec<(u64, Decision)>, UnknownLease> {
-        let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
-        if let Some(charge) = l.charge.as_ref().filter(|_| now < l.hold_until) {
-            let r = Resolved {
-                subject: l.subject.clone(),
-                tool: l.tool.clone(),
-                upstream: l.upstream.clone(),
-                cost: charge.cost,
-            };
-            let plan = self.plan(&r);
-            self.undo_charge(&r, &plan, charge);
-        }
-        if l.slots {
-            self.free_slots(&l.subject);
-        }
-        Ok(self.grant_waiting(now, wall_ms))
+        let refund = self.leases.get(&lease).is_some_and(|l| now < l.hold_until);
+        self.end_lease(lease, refund, now, wall_ms)
+    }
+
+    /// Checks a held call once its hold is over: if one of its upstreams went into the penalty box
+    /// meanwhile, the call is shed with the upstream's wait (and everything it took is given back)
+    /// instead of being sent to discover the 429 itself. `Ok(None)`: go ahead.
+    pub fn confirm_hold(
+        &mut self,
+        lease: u64,
+        now: Nanos,
+        wall_ms: i64,
+    ) -> Result<Option<Decision>, UnknownLease> {
+        let l = self.leases.get(&lease).ok_or(UnknownLease)?;
+        let r = l.resolved.clone();
+        let Some(shed) = self.penalty(&r, now) else {
+            return Ok(None);
+        };
+        let granted = self.end_lease(lease, true, now, wall_ms)?;
+        self.pending.extend(granted);
+        let plan = self.plan(&r);
+        Ok(Some(self.refuse(r, &plan, shed, now)))
     }
 
     /// Removes a queued call whose caller went away. Returns false when it was not queued (any more).
@@ -882,23 +1251,143 @@ impl TenantEngine {
         self.last_active = now;
         if status == 429 {
             let d = retry_after.unwrap_or(Duration::from_secs(1));
-            self.penalise(upstream, d, now);
+            self.upstream_rate_limited(upstream, d, now);
             Some(d)
         } else {
+            self.upstream_answered(upstream, status != 503, status < 500, now);
             None
         }
     }
 
-    fn penalise(&mut self, upstream: &Arc<str>, d: Duration, now: Nanos) {
+    /// Decisions made outside the usual return paths (calls queued for an upstream that a feedback or
+    /// a hold check put in the penalty box). The actor collects them after every message.
+    pub fn drain_decisions(&mut self) -> Vec<(u64, Decision)> {
+        std::mem::take(&mut self.pending)
+    }
+
+    /// A 429 from `upstream`: penalty until its Retry-After, a multiplicative cut of its budget, a
+    /// rejected request for the adaptive throttle, and an immediate refusal of the calls queued for it.
+    fn upstream_rate_limited(&mut self, upstream: &Arc<str>, d: Duration, now: Nanos) {
         let until = now.saturating_add(d.as_nanos() as u64);
-        if self.is_shared_upstream(Some(upstream)) {
-            if let Some(s) = self.shared.upstream(upstream) {
-                s.penalise(until);
-                return;
+        let cfg = self.policy.upstream(upstream).cloned();
+        let shared = cfg
+            .as_ref()
+            .filter(|c| c.shared)
+            .and_then(|_| self.shared.upstream(upstream));
+        match &shared {
+            Some(s) => s.penalise(until),
+            None => {
+                let u = self.upstream_mut(upstream);
+                u.penalty_until = u.penalty_until.max(until);
             }
         }
-        let u = self.upstreams.entry(upstream.clone()).or_default();
-        u.penalty_until = u.penalty_until.max(until);
+        if let Some(cfg) = &cfg {
+            if let Some(spec) = cfg.bucket {
+                match &shared {
+                    Some(s) => {
+                        s.note_429(now);
+                        let (old, new) = s.update_multiplier(|m| aimd_cut(m, &cfg.aimd));
+                        s.bucket
+                            .rescale(now, &scaled(spec, old), &scaled(spec, new));
+                    }
+                    None => {
+                        let u = self.upstream_mut(upstream);
+                        u.last_429 = now;
+                        let old = u.multiplier;
+                        u.multiplier = aimd_cut(old, &cfg.aimd);
+                        let new = u.multiplier;
+                        u.bucket
+                            .rescale(now, &scaled(spec, old), &scaled(spec, new));
+                    }
+                }
+            }
+            if let Some(a) = cfg.adaptive {
+                let window = a.window.as_nanos() as u64;
+                match &shared {
+                    Some(s) => s.sre_record(now, window, false),
+                    None => self.upstream_mut(upstream).sre.record(now, window, false),
+                }
+            }
+        }
+        // Calls queued for this upstream would only be granted into the penalty: refuse them now,
+        // cheaply, with the upstream's own wait.
+        let mut i = 0;
+        while i < self.waiters.len() {
+            if self.waiters[i]
+                .resolved
+                .upstreams
+                .iter()
+                .any(|(u, _)| u == upstream)
+            {
+                if let Some(w) = self.waiters.remove(i) {
+                    let plan = self.plan(&w.resolved);
+                    let shed = self.make_shed(
+                        &w.resolved,
+                        Some(upstream),
+                        Scope::UpstreamPenalty,
+                        d.as_nanos() as u64,
+                    );
+                    let decision = self.refuse(w.resolved, &plan, shed, now);
+                    self.pending.push((w.id, decision));
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// A non-429 answer from `upstream`: an accept for the adaptive throttle (unless overloaded) and,
+    /// when healthy, an additive step back towards the configured rate.
+    fn upstream_answered(
+        &mut self,
+        upstream: &Arc<str>,
+        accepted: bool,
+        healthy: bool,
+        now: Nanos,
+    ) {
+        let Some(cfg) = self.policy.upstream(upstream).cloned() else {
+            return;
+        };
+        let shared = if cfg.shared {
+            self.shared.upstream(upstream)
+        } else {
+            None
+        };
+        if let Some(a) = cfg.adaptive {
+            let window = a.window.as_nanos() as u64;
+            match &shared {
+                Some(s) => s.sre_record(now, window, accepted),
+                None => self
+                    .upstream_mut(upstream)
+                    .sre
+                    .record(now, window, accepted),
+            }
+        }
+        let Some(spec) = cfg.bucket.filter(|_| healthy) else {
+            return;
+        };
+        match &shared {
+            Some(s) => {
+                if s.multiplier() < 1.0 {
+                    let (old, new) = s.update_multiplier(|m| aimd_recover(m, &cfg.aimd));
+                    s.bucket
+                        .rescale(now, &scaled(spec, old), &scaled(spec, new));
+                }
+            }
+            None => {
+                if let Some(u) = self
+                    .upstreams
+                    .get_mut(upstream)
+                    .filter(|u| u.multiplier < 1.0)
+                {
+                    let old = u.multiplier;
+                    u.multiplier = aimd_recover(old, &cfg.aimd);
+                    let new = u.multiplier;
+                    u.bucket
+                        .rescale(now, &scaled(spec, old), &scaled(spec, new));
+                }
+            }
+        }
     }
 
     /// Hands free slots to queued calls, oldest first, deciding each; drops the ones past their deadline.
@@ -921,15 +1410,14 @@ impl TenantEngine {
             let Some(w) = self.waiters.remove(i) else {
                 break;
             };
+            let plan = self.plan(&w.resolved);
             // The release that freed this slot may have started a penalty on the waiter's upstream.
             if let Some(shed) = self.penalty(&w.resolved, now) {
-                let plan = self.plan(&w.resolved);
                 let d = self.refuse(w.resolved, &plan, shed, now);
                 out.push((w.id, d));
                 continue;
             }
             self.take_slots(&w.resolved.subject);
-            let plan = self.plan(&w.resolved);
             let d = self.after_slots(
                 w.resolved,
                 &plan,
@@ -986,8 +1474,8 @@ impl TenantEngine {
             if self.leases.get(&id).is_some_and(|l| l.expires == at) {
                 if let Some(l) = self.leases.remove(&id) {
                     if l.slots {
-                        self.free_slots(&l.subject);
-                        expired.push((l.subject, l.tool, l.upstream));
+                        self.free_slots(&l.resolved.subject);
+                        expired.push((l.resolved.subject, l.resolved.tool, l.resolved.upstream));
                     }
                 }
             }
@@ -1008,12 +1496,24 @@ impl TenantEngine {
         (expired, granted)
     }
 
+    fn sre_window(&self, upstream: &str) -> u64 {
+        self.policy
+            .upstream(upstream)
+            .and_then(|c| c.adaptive)
+            .map_or(0, |a| a.window.as_nanos() as u64)
+    }
+
     /// Drops per-subject and per-upstream state that is back at its resting value.
     pub fn prune(&mut self, now: Nanos, wall_ms: i64) {
         let day = utc_day(wall_ms);
         self.subjects.retain(|_, s| !s.is_resting(now, day));
+        let windows: HashMap<Arc<str>, u64> = self
+            .upstreams
+            .keys()
+            .map(|k| (k.clone(), self.sre_window(k)))
+            .collect();
         self.upstreams
-            .retain(|_, u| !(u.bucket.is_resting(now) && u.penalty_until <= now));
+            .retain(|k, u| !u.is_resting(now, windows.get(k).copied().unwrap_or(0)));
         if self.quota.is_resting(day) {
             self.quota = QuotaCounter::default();
         }
@@ -1024,14 +1524,15 @@ impl TenantEngine {
         let day = utc_day(wall_ms);
         self.leases.is_empty()
             && self.waiters.is_empty()
+            && self.pending.is_empty()
             && self.inflight == 0
             && self.tenant_bucket.is_resting(now)
             && self.quota.is_resting(day)
             && self.subjects.values().all(|s| s.is_resting(now, day))
             && self
                 .upstreams
-                .values()
-                .all(|u| u.bucket.is_resting(now) && u.penalty_until <= now)
+                .iter()
+                .all(|(k, u)| u.is_resting(now, self.sre_window(k)))
     }
 
     pub fn last_active(&self) -> Nanos {
@@ -1048,6 +1549,47 @@ impl TenantEngine {
 
     pub fn lease_count(&self) -> usize {
         self.leases.len()
+    }
+
+    /// How this tenant sees `upstream` now: configured and effective rate, throttle, fair share.
+    fn upstream_view(&self, name: &Arc<str>, now: Nanos) -> Option<UpstreamSnapshot> {
+        let cfg = self.policy.upstream(name)?;
+        let window = cfg.adaptive.map_or(0, |a| a.window.as_nanos() as u64);
+        let k = cfg.adaptive.map_or(0.0, |a| a.k);
+        let (multiplier, (requests, accepts), share) = if cfg.shared {
+            let s = self.shared.upstream(name)?;
+            let totals = if window > 0 {
+                s.sre_totals(now, window)
+            } else {
+                (0, 0)
+            };
+            (s.multiplier(), totals, s.share_of(&self.tenant))
+        } else {
+            let u = self.upstreams.get(name);
+            let totals = match u {
+                Some(u) if window > 0 => u.sre.clone().totals(now, window),
+                _ => (0, 0),
+            };
+            (u.map_or(1.0, |u| u.multiplier), totals, None)
+        };
+        let configured = cfg.bucket.map(|b| b.rate.per_sec);
+        Some(UpstreamSnapshot {
+            upstream: name.to_string(),
+            shared: cfg.shared,
+            published_limit: cfg.published_limit.map(|r| r.per_sec),
+            reserved_for_batch: cfg.reserved_for_batch.map(|r| r.per_sec),
+            configured_rate: configured,
+            effective_rate: configured.map(|c| c * multiplier),
+            multiplier,
+            throttle_probability: if k > 0.0 {
+                super::adaptive::throttle_probability(requests, accepts, k)
+            } else {
+                0.0
+            },
+            requests,
+            accepts,
+            fair_share: share,
+        })
     }
 
     /// A JSON-ready picture of the tenant's state.
@@ -1095,25 +1637,30 @@ impl TenantEngine {
             });
         }
         let mut penalties = Vec::new();
+        let mut upstreams = Vec::new();
         let mut ups: Vec<_> = self.upstreams.iter().collect();
         ups.sort_by(|a, b| a.0.cmp(b.0));
         for (name, u) in ups {
-            if let Some(spec) = p.cfg.upstreams.get(&**name).and_then(|x| x.bucket) {
-                if !self.is_shared_upstream(Some(name)) {
+            let shared = self.is_shared_upstream(Some(name));
+            if let Some(spec) = p.upstream(name).and_then(|x| x.bucket) {
+                if !shared {
                     buckets.push(bucket(
                         Layer::TenantUpstream,
                         name.to_string(),
-                        &Gcra::new(spec),
+                        &scaled(spec, u.multiplier),
                         &u.bucket,
                     ));
                 }
             }
-            if u.penalty_until > now {
+            if u.penalty_until > now && !shared {
                 penalties.push(PenaltySnapshot {
                     upstream: name.to_string(),
                     shared: false,
                     retry_after_ms: ceil_ms(u.penalty_until - now),
                 });
+            }
+            if !shared {
+                upstreams.extend(self.upstream_view(name, now));
             }
         }
         for (name, s) in self.shared.upstream_names() {
@@ -1124,6 +1671,7 @@ impl TenantEngine {
                     retry_after_ms: ceil_ms(s.penalty_until() - now),
                 });
             }
+            upstreams.extend(self.upstream_view(&name, now));
         }
         TenantSnapshot {
             tenant: self.tenant.to_string(),
@@ -1145,10 +1693,12 @@ impl TenantEngine {
             buckets,
             subjects: subject_snaps,
             penalties,
+            upstreams,
         }
     }
 
-    /// Gauges for telemetry: in-flight calls, how full each bucket layer is, penalties and quota.
+    /// Gauges for telemetry: in-flight calls, how full each bucket layer is, penalties, quota and the
+    /// effective rate and throttle of each per-tenant upstream.
     pub fn gauges(&self, now: Nanos, wall_ms: i64) -> TenantGauges {
         let p = &self.policy;
         let used = |g: &Gcra, b: &Bucket| {
@@ -1162,21 +1712,24 @@ impl TenantEngine {
             .fold(0.0, f64::max);
         let mut upstream = 0.0f64;
         let mut penalties = Vec::new();
+        let mut rates = Vec::new();
         for (name, u) in &self.upstreams {
-            if let Some(spec) = p
-                .cfg
-                .upstreams
-                .get(&**name)
-                .filter(|c| !c.shared)
-                .and_then(|c| c.bucket)
-            {
-                upstream = upstream.max(used(&Gcra::new(spec), &u.bucket));
+            if self.is_shared_upstream(Some(name)) {
+                continue;
+            }
+            if let Some(spec) = p.upstream(name).and_then(|c| c.bucket) {
+                upstream = upstream.max(used(&scaled(spec, u.multiplier), &u.bucket));
             }
             if u.penalty_until > now {
                 penalties.push((
                     name.clone(),
                     (u.penalty_until - now) as f64 / NS_PER_SEC as f64,
                 ));
+            }
+            if let Some(v) = self.upstream_view(name, now) {
+                if let Some(rate) = v.effective_rate {
+                    rates.push((name.clone(), rate, v.throttle_probability));
+                }
             }
         }
         let day = utc_day(wall_ms);
@@ -1187,6 +1740,7 @@ impl TenantEngine {
             subject_utilization: subject,
             upstream_utilization: upstream,
             penalties,
+            upstream_rates: rates,
             quota_used: p.limits.tenant.daily_quota.map(|_| self.quota.used_on(day)),
             quota_limit: p.limits.tenant.daily_quota,
         }
@@ -1210,6 +1764,8 @@ pub struct TenantGauges {
     pub upstream_utilization: f64,
     /// Seconds of penalty left per upstream (per-tenant penalties only).
     pub penalties: Vec<(Arc<str>, f64)>,
+    /// (upstream, effective rate per second, adaptive throttle probability), per-tenant upstreams.
+    pub upstream_rates: Vec<(Arc<str>, f64, f64)>,
     pub quota_used: Option<f64>,
     pub quota_limit: Option<f64>,
 }
@@ -1239,6 +1795,27 @@ pub struct PenaltySnapshot {
     pub retry_after_ms: u64,
 }
 
+/// An upstream's adaptive state as this tenant sees it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct UpstreamSnapshot {
+    pub upstream: String,
+    pub shared: bool,
+    pub published_limit: Option<f64>,
+    pub reserved_for_batch: Option<f64>,
+    /// The budget's configured (or derived) rate per second.
+    pub configured_rate: Option<f64>,
+    /// The rate after AIMD cuts.
+    pub effective_rate: Option<f64>,
+    pub multiplier: f64,
+    /// The adaptive throttle's current local refusal probability.
+    pub throttle_probability: f64,
+    /// Requests and accepts in the adaptive throttle's window.
+    pub requests: u64,
+    pub accepts: u64,
+    /// This tenant's fair share (per second) of a contended shared upstream.
+    pub fair_share: Option<f64>,
+}
+
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct QuotaSnapshot {
     /// Cost units the tenant spent today (UTC), when a tenant daily quota is set.
@@ -1260,4 +1837,6 @@ pub struct TenantSnapshot {
     pub buckets: Vec<BucketSnapshot>,
     pub subjects: Vec<SubjectSnapshot>,
     pub penalties: Vec<PenaltySnapshot>,
+    /// Effective rates, adaptive throttling and fair shares per upstream.
+    pub upstreams: Vec<UpstreamSnapshot>,
 }

@@ -1663,6 +1663,10 @@ fn promises_and_penalties_keep_state_until_they_pass() {
     e.feedback(&up, 429, Some(Duration::from_secs(5)), rig.now());
     assert!(!e.is_at_rest(rig.now(), rig.wall()));
     rig.advance_ms(5000);
+    // The penalty is over, but the AIMD cut and the adaptive window remember the 429 for the
+    // adaptive window (2 minutes) before the state is back at rest.
+    assert!(!e.is_at_rest(rig.now(), rig.wall()));
+    rig.advance_ms(120_000);
     assert!(e.is_at_rest(rig.now(), rig.wall()));
 }
 

@@ -95,7 +95,10 @@ pub struct LayerState {
 pub struct Resolved {
     pub subject: Arc<str>,
     pub tool: Arc<str>,
+    /// The primary upstream (the one the call spends most of), for metrics and messages.
     pub upstream: Option<Arc<str>>,
+    /// Every upstream the call spends, with the units it charges per unit of cost.
+    pub upstreams: Vec<(Arc<str>, f64)>,
     pub cost: f64,
 }
 

@@ -465,7 +465,7 @@ mod tests {
         assert_eq!(firing[0].shed_ratio, 0.8);
         assert_eq!(firing[0].since, "2026-10-21T07:28:30.000Z");
         // 45% is below the threshold but above clear_ratio: still firing
-        feed(&mut e, &t, 61 * NS_PER_SEC, 125, 0);
+        feed(&mut e, &t, 61 * NS_PER_SEC, 78, 0);
         assert!(e.evaluate(61 * NS_PER_SEC, WALL).is_empty());
         assert_eq!(e.firing().len(), 1);
         // below clear_ratio: cleared

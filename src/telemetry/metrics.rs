@@ -201,6 +201,11 @@ impl MetricsActor {
                         gauge!(DAILY_QUOTA_USED, "tenant" => t.clone()).set(used);
                         gauge!(DAILY_QUOTA_LIMIT, "tenant" => t.clone()).set(limit);
                     }
+                    for (up, rate, p) in &gauges.upstream_rates {
+                        let up = self.caps.upstream(up).to_string();
+                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => t.clone(), "upstream" => up.clone()).set(*rate);
+                        gauge!(UPSTREAM_THROTTLE, "tenant" => t.clone(), "upstream" => up).set(*p);
+                    }
                     let penalties = gauges
                         .penalties
                         .iter()
@@ -212,9 +217,14 @@ impl MetricsActor {
                     tenants,
                     global_utilization,
                     shared_penalties,
+                    shared_rates,
                 } => {
                     gauge!(TENANT_ACTORS).set(*tenants as f64);
                     gauge!(GLOBAL_UTILIZATION).set(*global_utilization);
+                    for (up, rate, p) in shared_rates {
+                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => SHARED_TENANT, "upstream" => up.to_string()).set(*rate);
+                        gauge!(UPSTREAM_THROTTLE, "tenant" => SHARED_TENANT, "upstream" => up.to_string()).set(*p);
+                    }
                     self.set_penalties(Arc::from(SHARED_TENANT), shared_penalties.clone());
                 }
             },

@@ -118,6 +118,8 @@ pub enum TenantEvent {
         tenants: usize,
         global_utilization: f64,
         shared_penalties: Vec<(Arc<str>, f64)>,
+        /// (upstream, effective rate per second, adaptive throttle probability) of shared upstreams.
+        shared_rates: Vec<(Arc<str>, f64, f64)>,
     },
 }
 

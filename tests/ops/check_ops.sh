@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Validates the operator artifacts: alert rules and their unit tests, the Grafana dashboard, the
-# Prometheus config, the deploy YAML files and the runbook links.
+# Validates the operator artifacts: alert rules and their unit tests, runbook links, the Grafana
+# dashboard (JSON, variables, PromQL of every panel), the Prometheus config, the deploy YAML files and
+# the example configs.
 #
-#   tests/ops/check_ops.sh
+#   tests/ops/check_ops.sh               # from anywhere
+#   ADMITD=path/to/admitd tests/ops/check_ops.sh
 #
-# Needs promtool (installed from the Debian "prometheus" package when missing) and python3.
+# Needs promtool (installed from the Debian "prometheus" package when missing) and python3. The
+# example configs are run through `admitd check` when a current admitd binary is found (ADMITD,
+# target/release, target/debug or PATH); otherwise that step is skipped with a message.
 # Exits non-zero on the first failure.
 set -euo pipefail
 
@@ -36,7 +40,7 @@ if ! command -v promtool >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
     command -v promtool >/dev/null 2>&1 || fail "promtool still missing after installing prometheus"
 fi
-promtool --version 2>&1 | head -n 1
+promtool --version 2>&1 | sed -n 1p
 command -v python3 >/dev/null 2>&1 || fail "python3 is required"
 
 # --- (b) rules -----------------------------------------------------------------------------------------
@@ -229,6 +233,86 @@ for path in ("deploy/kubernetes/sidecar.yaml", "deploy/otel-collector/config.yam
         print(f"FAIL: {path} is empty")
         sys.exit(1)
     print(f"{path}: {len(docs)} document(s)")
+PY
+
+# --- example configs ------------------------------------------------------------------------------------
+# The Kubernetes ConfigMap embeds a second config; extract it so it gets the same checks.
+python3 - "$TMP/sidecar.toml" <<'PY'
+import sys
+try:
+    import yaml
+except ImportError:
+    sys.exit(0)
+docs = list(yaml.safe_load_all(open("deploy/kubernetes/sidecar.yaml")))
+cm = next(d for d in docs if d and d.get("kind") == "ConfigMap")
+open(sys.argv[1], "w").write(cm["data"]["admitd.toml"])
+PY
+
+step "example configs (admitd check)"
+ADMITD_BIN=""
+for candidate in "${ADMITD:-}" target/release/admitd target/debug/admitd "$(command -v admitd || true)"; do
+    # A stale build without the check command ignores its arguments: ask for its help text instead.
+    if [ -n "$candidate" ] && [ -x "$candidate" ] \
+        && "$candidate" check --help 2>/dev/null | grep -- '--config' >/dev/null; then
+        ADMITD_BIN="$candidate"
+        break
+    fi
+done
+if [ -z "$ADMITD_BIN" ]; then
+    echo "SKIP: no admitd binary with a 'check' command (build it with 'cargo build', or set ADMITD=path)"
+else
+    echo "using $ADMITD_BIN"
+    for cfg in deploy/admitd.example.toml "$TMP/sidecar.toml"; do
+        [ -f "$cfg" ] || continue
+        label="$cfg"
+        [ "$cfg" = "$TMP/sidecar.toml" ] && label="deploy/kubernetes/sidecar.yaml (ConfigMap admitd.toml)"
+        out="$("$ADMITD_BIN" check --config "$cfg" 2>&1)" || fail "admitd check rejected $label: $out"
+        case "$out" in
+            *": ok "*) echo "$label: ${out#*: }" ;;
+            *) fail "admitd check gave no verdict for $label: $out" ;;
+        esac
+    done
+fi
+
+step "example configs: every tool cost fits every bucket it passes (else it is always 'oversized')"
+python3 - "$TMP/sidecar.toml" <<'PY'
+import sys
+try:
+    import tomllib
+except ImportError:
+    print("SKIP: python3 has no tomllib (needs 3.11+)")
+    sys.exit(0)
+
+DEFAULT_BURST = {"subject": 20, "tenant": 50, "global": 5000}
+errors = []
+paths = ["deploy/admitd.example.toml"]
+try:
+    open(sys.argv[1]).close()
+    paths.append(sys.argv[1])
+except OSError:
+    pass
+for path in paths:
+    label = "deploy/kubernetes/sidecar.yaml (ConfigMap)" if path == sys.argv[1] else path
+    cfg = tomllib.load(open(path, "rb"))
+    limits = cfg.get("limits", {})
+    for name, tool in cfg.get("tools", {}).items():
+        cost = tool.get("cost", 1)
+        bursts = {f"tools.{name}": tool.get("burst")}
+        for layer in ("subject", "tenant", "global"):
+            bursts[f"limits.{layer}"] = limits.get(layer, {}).get("burst", DEFAULT_BURST[layer])
+        for plan, body in cfg.get("plans", {}).items():
+            for layer in ("subject", "tenant"):
+                bursts[f"plans.{plan}.{layer}"] = body.get(layer, {}).get("burst")
+        up = tool.get("upstream")
+        if up:
+            bursts[f"upstreams.{up}"] = cfg.get("upstreams", {}).get(up, {}).get("burst")
+        for where, burst in bursts.items():
+            if burst is not None and cost > burst:
+                errors.append(f"{label}: tools.{name} cost {cost} > {where} burst {burst}")
+    print(f"{label}: {len(cfg.get('tools', {}))} tools fit their buckets")
+for e in errors:
+    print("FAIL:", e)
+sys.exit(1 if errors else 0)
 PY
 
 printf '\nOK: all operator checks passed\n'
