@@ -294,6 +294,7 @@ except OSError:
 for path in paths:
     label = "deploy/kubernetes/sidecar.yaml (ConfigMap)" if path == sys.argv[1] else path
     cfg = tomllib.load(open(path, "rb"))
+    before = len(errors)
     limits = cfg.get("limits", {})
     for name, tool in cfg.get("tools", {}).items():
         cost = tool.get("cost", 1)
@@ -309,7 +310,8 @@ for path in paths:
         for where, burst in bursts.items():
             if burst is not None and cost > burst:
                 errors.append(f"{label}: tools.{name} cost {cost} > {where} burst {burst}")
-    print(f"{label}: {len(cfg.get('tools', {}))} tools fit their buckets")
+    if len(errors) == before:
+        print(f"{label}: all {len(cfg.get('tools', {}))} tools fit their buckets")
 for e in errors:
     print("FAIL:", e)
 sys.exit(1 if errors else 0)
