@@ -514,20 +514,18 @@ impl TenantEngine {
                         .bucket
                         .take(&lp.g, now, inc, max_wait);
                 };
-                let mut wait = 0;
+                // Past its fair share a tenant is refused, never held: a hold would reserve shared
+                // tokens ahead of time and make the tenants within their share wait behind it.
                 let fair = Self::fair_of(lp, tokens);
                 if let Some(f) = fair {
-                    match self
-                        .upstream_mut(&name)
-                        .fair
-                        .take(&f, now, f.increment(tokens), max_wait)
+                    let u = self.upstream_mut(&name);
+                    if let short @ Take::Short { .. } = u.fair.take(&f, now, f.increment(tokens), 0)
                     {
-                        Take::Ok { wait: w } => wait = w,
-                        short => return short,
+                        return short;
                     }
                 }
                 match s.bucket.take(&lp.g, now, inc, max_wait) {
-                    Take::Ok { wait: w } => Take::Ok { wait: wait.max(w) },
+                    ok @ Take::Ok { .. } => ok,
                     short => {
                         if let Some(f) = fair {
                             self.upstream_mut(&name).fair.refund(f.increment(tokens));
