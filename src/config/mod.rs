@@ -1238,3 +1238,6 @@ min_calls = 100
         );
     }
 }
+
+#[cfg(test)]
+mod upstream_config_tests;

@@ -83,6 +83,20 @@ pub enum Take {
     Short { shortfall: u64 },
 }
 
+/// How far ahead promises may run: a caller that ignores its hint and comes straight back (a loop)
+/// takes a new promise every time, and without a horizon the cursor would run away from the refill.
+pub const PROMISE_HORIZON: Nanos = 60 * NS_PER_SEC;
+
+/// The next promised slot: after every earlier promise, but never more than the horizon (or a full
+/// refill, if longer) past the bucket's own schedule.
+fn promised_slot(promised: Nanos, tat: Nanos, now: Nanos, inc: u64, tau: u64) -> Nanos {
+    let base = tat.max(now);
+    let limit = base
+        .saturating_add(inc)
+        .saturating_add(PROMISE_HORIZON.max(tau));
+    promised.max(base).saturating_add(inc).min(limit)
+}
+
 /// Shortfall in nanoseconds when the bucket is full at `tat`.
 fn shortfall(tat: Nanos, now: Nanos, inc: u64, tau: u64) -> u64 {
     (tat.max(now).saturating_add(inc)).saturating_sub(now.saturating_add(tau))
@@ -118,7 +132,7 @@ impl Bucket {
 
     /// Promises a refused call the next free slot after those already promised; returns the wait in ns.
     pub fn promise(&mut self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
-        let slot = self.promised.max(self.tat).max(now).saturating_add(inc);
+        let slot = promised_slot(self.promised, self.tat, now, inc, g.tau);
         self.promised = slot;
         slot.saturating_sub(now.saturating_add(g.tau))
     }
@@ -155,10 +169,13 @@ fn rescale_instant(at: Nanos, now: Nanos, old: &Gcra, new: &Gcra) -> Nanos {
 
 /// A bucket shared between threads (the global layer and shared upstreams): the same algorithm over
 /// atomics, so every tenant actor can take from it without a lock or a message hop.
+///
+/// Its promise cursors are kept by each tenant, not in the bucket: staggering spreads one tenant's
+/// herd of refused callers, and a tenant whose loop ignores its hints (and so takes a new promise on
+/// every call) only pushes back its own hints, never another tenant's.
 #[derive(Debug, Default)]
 pub struct AtomicBucket {
     tat: AtomicU64,
-    promised: AtomicU64,
 }
 
 impl AtomicBucket {
@@ -192,15 +209,10 @@ impl AtomicBucket {
             });
     }
 
-    pub fn promise(&self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
-        let tat = self.tat.load(Ordering::Acquire);
-        let prev = self
-            .promised
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
-                Some(p.max(tat).max(now).saturating_add(inc))
-            })
-            .unwrap_or(0);
-        let slot = prev.max(tat).max(now).saturating_add(inc);
+    /// Like [`Bucket::promise`], with the caller's own promise cursor.
+    pub fn promise(&self, cursor: &mut Nanos, g: &Gcra, now: Nanos, inc: u64) -> u64 {
+        let slot = promised_slot(*cursor, self.tat.load(Ordering::Acquire), now, inc, g.tau);
+        *cursor = slot;
         slot.saturating_sub(now.saturating_add(g.tau))
     }
 
@@ -215,11 +227,6 @@ impl AtomicBucket {
     pub fn rescale(&self, now: Nanos, old: &Gcra, new: &Gcra) {
         let _ = self
             .tat
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
-                Some(rescale_instant(t, now, old, new))
-            });
-        let _ = self
-            .promised
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
                 Some(rescale_instant(t, now, old, new))
             });
@@ -335,6 +342,27 @@ mod tests {
     }
 
     #[test]
+    fn a_caller_that_keeps_coming_back_cannot_push_promises_past_the_horizon() {
+        let g = g(1.0, 1.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        b.take(&g, 0, inc, 0);
+        let mut last = 0;
+        for _ in 0..10_000 {
+            last = b.promise(&g, 0, inc);
+        }
+        // the refill schedule (1 s) plus the horizon, not 10 000 s
+        assert_eq!(last, NS_PER_SEC + PROMISE_HORIZON);
+        let a = AtomicBucket::default();
+        a.take(&g, 0, inc, 0);
+        let mut cursor = 0;
+        for _ in 0..10_000 {
+            last = a.promise(&mut cursor, &g, 0, inc);
+        }
+        assert_eq!(last, NS_PER_SEC + PROMISE_HORIZON);
+    }
+
+    #[test]
     fn oversized_and_window() {
         let g = g(5.0 / 60.0, 5.0);
         assert!(g.oversized(5.5));
@@ -376,6 +404,7 @@ mod tests {
     fn atomic_bucket_matches_the_plain_one() {
         let g = g(2.0, 20.0);
         let a = AtomicBucket::default();
+        let mut cursor = 0;
         let mut b = Bucket::default();
         let inc = g.increment(1.0);
         for step in 0..60u64 {
@@ -387,7 +416,10 @@ mod tests {
                 a.refund(inc);
                 b.refund(inc);
             }
-            assert_eq!(a.promise(&g, now, inc), b.promise(&g, now, inc));
+            assert_eq!(
+                a.promise(&mut cursor, &g, now, inc),
+                b.promise(&g, now, inc)
+            );
         }
     }
 }

@@ -32,6 +32,16 @@ struct FairBoard {
     computed_at: Option<Nanos>,
 }
 
+/// A tenant's part of a contended shared upstream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Share {
+    /// Calls (cost units) per second.
+    pub rate: f64,
+    /// The tenant wants more than its share (max-min fairness capped it). A tenant that wants less
+    /// gets all it wants and is not limited beyond the shared budget itself.
+    pub bottlenecked: bool,
+}
+
 /// One shared upstream's state.
 #[derive(Debug)]
 pub struct SharedUpstream {
@@ -44,8 +54,8 @@ pub struct SharedUpstream {
     last_429: AtomicU64,
     sre: Mutex<SreWindow>,
     fair: Mutex<FairBoard>,
-    /// Each tenant's fair share in calls per second; empty while the upstream is not contended.
-    shares: ArcSwap<HashMap<Arc<str>, f64>>,
+    /// Each tenant's fair share, while the upstream is contended (empty otherwise).
+    shares: ArcSwap<HashMap<Arc<str>, Share>>,
 }
 
 impl Default for SharedUpstream {
@@ -106,8 +116,8 @@ impl SharedUpstream {
         self.sre.lock().totals(now, window_ns)
     }
 
-    /// A tenant's fair share in calls per second, when the upstream is contended.
-    pub fn share_of(&self, tenant: &str) -> Option<f64> {
+    /// A tenant's fair share, when the upstream is contended.
+    pub fn share_of(&self, tenant: &str) -> Option<Share> {
         self.shares.load().get(tenant).copied()
     }
 
@@ -142,9 +152,19 @@ impl SharedUpstream {
         let shares = if total <= capacity {
             HashMap::new()
         } else {
+            let fair = adaptive::max_min_fair(capacity, &claims);
             names
                 .into_iter()
-                .zip(adaptive::max_min_fair(capacity, &claims))
+                .zip(claims.iter().zip(fair))
+                .map(|(name, (claim, rate))| {
+                    (
+                        name,
+                        Share {
+                            rate,
+                            bottlenecked: claim.0 > rate * (1.0 + 1e-9),
+                        },
+                    )
+                })
                 .collect()
         };
         self.shares.store(Arc::new(shares));

@@ -28,10 +28,14 @@ use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
 use super::bucket::{Bucket, Gcra, Take};
 use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
-use super::shared::{SharedBudgets, SharedUpstream, FAIR_SHARE_EVERY};
+use super::shared::{SharedBudgets, SharedUpstream};
 use super::types::*;
 use crate::clock::{ceil_ms, ms_until_utc_midnight, utc_day, Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::{BucketSpec, Config, Mode, TenantLimits, UpstreamConfig};
+
+/// How long a tenant counts its calls to a shared upstream before reporting its demand. A second is
+/// long enough that a few calls bunched after a hold do not read as a loop.
+const DEMAND_WINDOW: Nanos = NS_PER_SEC;
 
 /// Retry hint for a concurrency refusal before any lease was seen to finish.
 const DEFAULT_HOLD_HINT_NS: u64 = NS_PER_SEC;
@@ -195,6 +199,10 @@ struct UpstreamState {
     /// Calls that named this (shared) upstream since `demand_since`, for fair-share demand reports.
     demand: u64,
     demand_since: Nanos,
+    /// The last measured demand, calls (cost units) per second.
+    demand_rate: f64,
+    /// This tenant's promise cursor on the shared bucket (see [`super::bucket::AtomicBucket`]).
+    shared_promised: Nanos,
 }
 
 impl Default for UpstreamState {
@@ -208,6 +216,8 @@ impl Default for UpstreamState {
             sre: SreWindow::default(),
             demand: 0,
             demand_since: 0,
+            demand_rate: 0.0,
+            shared_promised: 0,
         }
     }
 }
@@ -216,6 +226,7 @@ impl UpstreamState {
     fn is_resting(&self, now: Nanos, sre_window: u64) -> bool {
         self.bucket.is_resting(now)
             && self.fair.is_resting(now)
+            && self.shared_promised <= now
             && self.penalty_until <= now
             && (self.multiplier >= 1.0
                 || now.saturating_sub(self.last_429) > forget_after(sre_window))
@@ -237,6 +248,10 @@ struct LayerPlan {
     fair: Option<Gcra>,
     /// The AIMD multiplier applied to the configured rate (upstream layers).
     multiplier: f64,
+    /// Whether the call may be held on this layer. A tenant that wants more of a shared upstream than
+    /// its fair share (or, uncontended, than the whole budget) is refused rather than held: its holds
+    /// would reserve the shared budget ahead of the tenants that stay within their share.
+    hold_ok: bool,
 }
 
 impl LayerPlan {
@@ -249,6 +264,7 @@ impl LayerPlan {
             shared: None,
             fair: None,
             multiplier: 1.0,
+            hold_ok: true,
         }
     }
 
@@ -318,6 +334,8 @@ pub struct TenantEngine {
     pending: Vec<(u64, Decision)>,
     next_id: u64,
     rng: Rng,
+    /// This tenant's promise cursor on the global bucket.
+    global_promised: Nanos,
     /// Moving average of how long leases are held, for concurrency retry hints.
     hold_avg_ns: Option<f64>,
     last_active: Nanos,
@@ -340,6 +358,7 @@ impl TenantEngine {
             expiries: BinaryHeap::new(),
             waiters: VecDeque::new(),
             pending: Vec::new(),
+            global_promised: 0,
             next_id,
             rng,
             hold_avg_ns: None,
@@ -456,16 +475,23 @@ impl TenantEngine {
                 (None, self.upstreams.get(up).map_or(1.0, |u| u.multiplier))
             };
             let capacity = spec.rate.per_sec * multiplier;
-            let fair = shared
-                .as_ref()
-                .and_then(|s| s.share_of(&self.tenant))
-                .map(|share| {
-                    let share = share.max(capacity * 1e-3);
-                    Gcra::new(BucketSpec::new(
-                        share,
-                        (spec.burst * share / capacity).clamp(1.0, spec.burst),
-                    ))
-                });
+            // Only a tenant that wants more than its fair share is held to it (and never held on the
+            // shared budget); one within its share is limited by the shared budget alone. Before any
+            // share is known, a tenant that alone wants twice the whole budget is not held either.
+            let share = shared.as_ref().and_then(|s| s.share_of(&self.tenant));
+            let demand = self.upstreams.get(up).map_or(0.0, |u| u.demand_rate);
+            let hold_ok = match (&shared, share) {
+                (None, _) => true,
+                (Some(_), Some(share)) => !share.bottlenecked,
+                (Some(_), None) => demand <= 2.0 * capacity,
+            };
+            let fair = share.filter(|s| s.bottlenecked).map(|share| {
+                let share = share.rate.max(capacity * 1e-3);
+                Gcra::new(BucketSpec::new(
+                    share,
+                    (spec.burst * share / capacity).clamp(1.0, spec.burst),
+                ))
+            });
             v.push(LayerPlan {
                 layer: Layer::TenantUpstream,
                 g: scaled(spec, multiplier),
@@ -474,6 +500,7 @@ impl TenantEngine {
                 shared,
                 fair,
                 multiplier,
+                hold_ok,
             });
         }
         v.push(LayerPlan::simple(Layer::Global, p.global_g));
@@ -524,6 +551,7 @@ impl TenantEngine {
                         return short;
                     }
                 }
+                let max_wait = if lp.hold_ok { max_wait } else { 0 };
                 match s.bucket.take(&lp.g, now, inc, max_wait) {
                     ok @ Take::Ok { .. } => ok,
                     short => {
@@ -590,7 +618,10 @@ impl TenantEngine {
                             None => 0,
                         };
                         let shared = if s.bucket.peek(&lp.g, now, inc) > 0 {
-                            s.bucket.promise(&lp.g, now, inc)
+                            let mut cursor = self.upstream_mut(&name).shared_promised;
+                            let wait = s.bucket.promise(&mut cursor, &lp.g, now, inc);
+                            self.upstream_mut(&name).shared_promised = cursor;
+                            wait
                         } else {
                             0
                         };
@@ -599,7 +630,10 @@ impl TenantEngine {
                     None => self.upstream_mut(&name).bucket.promise(&lp.g, now, inc),
                 }
             }
-            Layer::Global => self.shared.global.promise(&lp.g, now, inc),
+            Layer::Global => self
+                .shared
+                .global
+                .promise(&mut self.global_promised, &lp.g, now, inc),
         }
     }
 
@@ -782,10 +816,16 @@ impl TenantEngine {
             }
             u.demand += 1;
             let elapsed = now.saturating_sub(u.demand_since);
-            if elapsed >= FAIR_SHARE_EVERY {
+            if elapsed >= DEMAND_WINDOW {
                 // The window opens at its first call, so n calls span n - 1 intervals.
                 let rate = (u.demand - 1) as f64 * tokens / (elapsed as f64 / NS_PER_SEC as f64);
                 u.demand = 0;
+                // Smoothed, so one bunch of calls does not look like a loop.
+                u.demand_rate = if u.demand_rate > 0.0 {
+                    0.5 * u.demand_rate + 0.5 * rate
+                } else {
+                    rate
+                };
                 s.report_demand(
                     &self.tenant,
                     rate,
@@ -1525,6 +1565,7 @@ impl TenantEngine {
             && self.pending.is_empty()
             && self.inflight == 0
             && self.tenant_bucket.is_resting(now)
+            && self.global_promised <= now
             && self.quota.is_resting(day)
             && self.subjects.values().all(|s| s.is_resting(now, day))
             && self
@@ -1586,7 +1627,7 @@ impl TenantEngine {
             },
             requests,
             accepts,
-            fair_share: share,
+            fair_share: share.map(|s| s.rate),
         })
     }
 
