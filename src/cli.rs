@@ -21,7 +21,7 @@ pub struct Cli {
 pub enum Command {
     /// Run the daemon (built-in defaults when no --config is given).
     Serve {
-        /// TOML config file (see README.md for every key).
+        /// TOML config file (every key is described in docs/configuration.md).
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
         /// Address to listen on; overrides [server] listen.
@@ -80,6 +80,7 @@ pub fn main() -> ExitCode {
             };
             if let Some(addr) = listen {
                 cfg.server.listen = addr;
+                cfg.listen_override = Some(addr);
             }
             init_logging();
             match crate::server::serve(cfg) {

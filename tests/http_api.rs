@@ -491,6 +491,8 @@ fn reload_swaps_policy_without_resetting_state() {
     let r = d.post("/v1/admin/reload", json!({}));
     assert_eq!(r.status, 200, "{:?}", r.body);
     assert_eq!(r.body["reloaded"], true);
+    // The daemon runs with --listen, which a reload keeps: nothing needs a restart.
+    assert_eq!(r.body["restart_required"], json!([]));
     // three tokens are still missing, now out of ten
     assert_eq!(subject_tokens(&d), 7);
     assert_eq!(

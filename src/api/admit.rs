@@ -269,7 +269,7 @@ pub fn policy_header(layers: &[LayerState]) -> String {
         }
         s.push_str(&format!(
             "\"{}\";q={};w={}",
-            l.layer.as_str(),
+            l.name,
             l.burst.floor() as u64,
             l.window_secs
         ));
@@ -281,7 +281,7 @@ pub fn policy_header(layers: &[LayerState]) -> String {
 pub fn ratelimit_header(l: &LayerState) -> String {
     format!(
         "\"{}\";r={};t={}",
-        l.layer.as_str(),
+        l.name,
         l.remaining,
         ceil_secs(l.reset_ns)
     )
@@ -386,6 +386,7 @@ mod tests {
     fn layer(layer: Layer, burst: f64, w: u64, remaining: u64, reset_ns: u64) -> LayerState {
         LayerState {
             layer,
+            name: layer.as_str().into(),
             burst,
             window_secs: w,
             remaining,

@@ -389,6 +389,11 @@ pub async fn reload(
                 format!("{e}; the running config was kept"),
             )
         })?;
+    let mut new = new;
+    if let Some(addr) = current.listen_override {
+        new.server.listen = addr;
+        new.listen_override = Some(addr);
+    }
     let mut restart = Vec::new();
     if new.server.listen != current.server.listen {
         restart.push("server.listen");

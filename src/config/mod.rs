@@ -280,6 +280,8 @@ pub struct AlertsConfig {
 pub struct Config {
     /// The file it came from, for reloads and messages; `None` for built-in defaults.
     pub path: Option<String>,
+    /// `--listen` from the command line, which wins over the file's `[server] listen` on reloads too.
+    pub listen_override: Option<SocketAddr>,
     pub server: ServerConfig,
     pub limits: Limits,
     pub plans: HashMap<String, Plan>,
@@ -307,6 +309,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             path: None,
+            listen_override: None,
             server: ServerConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 9470)),
                 mode: Mode::Enforce,
@@ -494,6 +497,8 @@ struct RawPlan {
     subject: Option<RawLayer>,
     tenant: Option<RawLayer>,
     weight: Option<S<f64>>,
+    /// Read only to refuse it with a clear message.
+    global: Option<S<toml::Value>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -598,10 +603,12 @@ impl Validator<'_> {
     fn positive(&self, key: &str, v: &S<f64>, min: f64) -> Result<f64, ConfigError> {
         let x = *v.get_ref();
         if !x.is_finite() || x < min || x > 1e15 {
-            return self.err(
-                v.span(),
-                format!("{key} must be a number from {min} to 1e15, not {x}"),
-            );
+            let range = if min == f64::MIN_POSITIVE {
+                "greater than 0 and at most 1e15".to_string()
+            } else {
+                format!("from {min} to 1e15")
+            };
+            return self.err(v.span(), format!("{key} must be a number {range}, not {x}"));
         }
         Ok(x)
     }
@@ -856,12 +863,25 @@ impl Validator<'_> {
                 ("limits.global", l.global, &mut cfg.limits.global),
             ] {
                 if let Some(layer) = layer {
+                    if name == "limits.global" {
+                        for (key, span) in [
+                            ("concurrency", layer.concurrency.as_ref().map(|v| v.span())),
+                            ("daily_quota", layer.daily_quota.as_ref().map(|v| v.span())),
+                        ] {
+                            if let Some(at) = span {
+                                return self.err(at, format!("limits.global.{key} is not supported: the global layer is a rate backstop only; set {key} in [limits.subject] or [limits.tenant]"));
+                            }
+                        }
+                    }
                     *target = self.layer_override(name, &layer)?.apply(target);
                 }
             }
         }
 
         for (name, plan) in raw.plans.unwrap_or_default() {
+            if let Some(g) = &plan.get_ref().global {
+                return self.err(g.span(), format!("plans.{name}.global: a plan cannot override [limits.global]; the global bucket is one backstop shared by every tenant"));
+            }
             let span = plan.span();
             let key = self.name("plan", &name, span)?;
             let p = plan.into_inner();
@@ -993,6 +1013,11 @@ impl Validator<'_> {
                     }
                     None => None,
                 };
+                if endpoint.is_none() {
+                    if let Some(s) = &o.service_name {
+                        return self.err(s.span(), "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
+                    }
+                }
                 let service_name = o
                     .service_name
                     .map(|s| s.into_inner())
@@ -1204,6 +1229,37 @@ min_calls = 100
 
         let e = err("[bogus]\nx = 1\n");
         assert!(e.starts_with("cfg.toml:1: unknown field `bogus`"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_and_dead_keys_are_refused_not_ignored() {
+        let e = err("[plans.free.global]\nrate = \"1/s\"\n");
+        assert!(
+            e.starts_with("cfg.toml:1: plans.free.global: a plan cannot override [limits.global]"),
+            "{e}"
+        );
+        let e = err("[limits.global]\nconcurrency = 4\n");
+        assert!(
+            e.starts_with("cfg.toml:2: limits.global.concurrency is not supported"),
+            "{e}"
+        );
+        let e = err("[limits.global]\ndaily_quota = 4\n");
+        assert!(
+            e.starts_with("cfg.toml:2: limits.global.daily_quota is not supported"),
+            "{e}"
+        );
+        let e = err("[telemetry.otlp]\nservice_name = \"x\"\n");
+        assert!(
+            e.starts_with("cfg.toml:2: [telemetry.otlp] has no endpoint"),
+            "{e}"
+        );
+        let e = err("[tools.x]\ncost = 0\n");
+        assert!(
+            e.starts_with(
+                "cfg.toml:2: tools.x.cost must be a number greater than 0 and at most 1e15, not 0"
+            ),
+            "{e}"
+        );
     }
 
     #[test]

@@ -317,7 +317,7 @@ fn tool_upstream_errors_name_file_and_line() {
         assert_err(
             &format!("[tools.t]\nupstreams = {{ erp = 1, crm = {units} }}\n"),
             2,
-            "tools.t.upstreams.crm must be a number from",
+            "tools.t.upstreams.crm must be a number greater than 0",
         );
     }
     assert_err("[tools.t]\nupstreams = { crm = \"lots\" }\n", 2, "");

@@ -109,7 +109,13 @@ pub fn aimd_cut(m: f64, a: &Aimd) -> f64 {
 
 /// The AIMD multiplier after a successful call.
 pub fn aimd_recover(m: f64, a: &Aimd) -> f64 {
-    (m + a.recover).min(1.0)
+    let next = m + a.recover;
+    // Snap the last step: 0.2 + 8 × 0.1 is 0.9999999999999999 in floating point.
+    if next >= 1.0 - 1e-9 {
+        1.0
+    } else {
+        next
+    }
 }
 
 /// Max-min fair shares of `capacity` among `(demand, weight)` claimants, in the same order.

@@ -686,11 +686,21 @@ impl TenantEngine {
     }
 
     fn layer_states(&self, plan: &[LayerPlan], r: &Resolved, now: Nanos) -> Vec<LayerState> {
+        let several_upstreams = plan
+            .iter()
+            .filter(|lp| lp.layer == Layer::TenantUpstream)
+            .count()
+            > 1;
         plan.iter()
             .map(|lp| {
                 let (remaining, reset_ns, _) = self.peek_layer(lp, r, now);
+                let name = match (&lp.upstream, several_upstreams) {
+                    (Some(up), true) => std::borrow::Cow::Owned(format!("tenant_upstream:{up}")),
+                    _ => std::borrow::Cow::Borrowed(lp.layer.as_str()),
+                };
                 LayerState {
                     layer: lp.layer,
+                    name,
                     burst: lp.g.burst,
                     window_secs: lp.g.window_secs(),
                     remaining,
@@ -887,10 +897,17 @@ impl TenantEngine {
         // A little jitter (up to 5% of the wait, at most 100 ms) keeps callers told the same moment from
         // arriving in the same millisecond; it only ever adds, so nobody is told to come back early.
         // A daily quota resets at one fixed instant for everyone: no jitter there.
+        // It never crosses into the next whole second, so the wait in the text and the Retry-After
+        // header stays what the limiter (or the upstream) said.
         let jitter = if scope == Scope::DailyQuota {
             0
         } else {
-            self.rng.below_or_eq((wait_ns / 20).min(100 * NS_PER_MS))
+            let to_next_second = wait_ns.div_ceil(NS_PER_SEC) * NS_PER_SEC - wait_ns;
+            self.rng.below_or_eq(
+                (wait_ns / 20)
+                    .min(100 * NS_PER_MS)
+                    .min(to_next_second.saturating_sub(NS_PER_MS)),
+            )
         };
         let retry_after_ms = ceil_ms(wait_ns.saturating_add(jitter)).max(1);
         let cx = self.refusal_cx(r, upstream, 0.0);
@@ -1348,28 +1365,32 @@ impl TenantEngine {
             }
         }
         // Calls queued for this upstream would only be granted into the penalty: refuse them now,
-        // cheaply, with the upstream's own wait.
-        let mut i = 0;
-        while i < self.waiters.len() {
-            if self.waiters[i]
-                .resolved
-                .upstreams
-                .iter()
-                .any(|(u, _)| u == upstream)
-            {
-                if let Some(w) = self.waiters.remove(i) {
-                    let plan = self.plan(&w.resolved);
-                    let shed = self.make_shed(
-                        &w.resolved,
-                        Some(upstream),
-                        Scope::UpstreamPenalty,
-                        d.as_nanos() as u64,
-                    );
-                    let decision = self.refuse(w.resolved, &plan, shed, now);
-                    self.pending.push((w.id, decision));
+        // cheaply, with the time left on the penalty (which may be longer than this 429's own delay,
+        // if another tenant's 429 started it). A zero Retry-After starts no penalty and sheds nothing.
+        let left = self.penalty_until(upstream).saturating_sub(now);
+        if left > 0 {
+            let mut i = 0;
+            while i < self.waiters.len() {
+                if self.waiters[i]
+                    .resolved
+                    .upstreams
+                    .iter()
+                    .any(|(u, _)| u == upstream)
+                {
+                    if let Some(w) = self.waiters.remove(i) {
+                        let plan = self.plan(&w.resolved);
+                        let shed = self.make_shed(
+                            &w.resolved,
+                            Some(upstream),
+                            Scope::UpstreamPenalty,
+                            left,
+                        );
+                        let decision = self.refuse(w.resolved, &plan, shed, now);
+                        self.pending.push((w.id, decision));
+                    }
+                } else {
+                    i += 1;
                 }
-            } else {
-                i += 1;
             }
         }
     }
@@ -1620,7 +1641,10 @@ impl TenantEngine {
             configured_rate: configured,
             effective_rate: configured.map(|c| c * multiplier),
             multiplier,
-            throttle_probability: if k > 0.0 {
+            // What the throttle applies now: nothing below its minimum number of requests.
+            throttle_probability: if k > 0.0
+                && requests >= cfg.adaptive.map_or(0, |a| a.min_requests)
+            {
                 super::adaptive::throttle_probability(requests, accepts, k)
             } else {
                 0.0

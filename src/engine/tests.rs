@@ -1290,7 +1290,7 @@ fn a_plan_overrides_the_limits_of_its_tenants_only() {
     }
     let d = rig.decide(&mut globex, &call("g", "search"));
     assert_shed(&d, Scope::Subject, 2 * SEC);
-    let l = d.layers[0];
+    let l = d.layers[0].clone();
     assert_eq!((l.layer, l.burst, l.window_secs), (Layer::Subject, 5.0, 10));
     let s = rig.snap(&globex);
     assert_eq!(s.plan.as_deref(), Some("free"));

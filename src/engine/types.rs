@@ -77,9 +77,12 @@ impl Layer {
 
 /// One bucket layer that applied to a call: its shape (for `RateLimit-Policy`) and its state after the
 /// decision (for `RateLimit` and the `remaining`/`limit`/`reset_ms` fields).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LayerState {
     pub layer: Layer,
+    /// The name in the RateLimit headers: the layer's scope, or `tenant_upstream:<name>` when a call
+    /// spends several upstreams (so each has its own entry).
+    pub name: std::borrow::Cow<'static, str>,
     /// Burst, the `q` of the policy.
     pub burst: f64,
     /// Seconds a full refill takes, rounded up (`w`).

@@ -408,9 +408,6 @@ fn repeated_429s_floor_and_successes_recover_additively() {
 }
 
 #[test]
-#[ignore = "engine bug (minor): aimd_recover adds in floating point without snapping, so 0.2 + 8 × 0.1 \
-            leaves the multiplier at 0.9999999999999999 (effective rate 9.999999999999998/s, not at rest) \
-            until one more success (or until the adaptive window forgets the cut)"]
 fn recovery_lands_exactly_on_the_configured_rate() {
     let sim = Sim::new(&roomy(AIMD_CFG));
     let mut e = sim.engine("acme");
@@ -661,10 +658,10 @@ fn no_adaptive_shed_below_min_requests() {
     feed_releases(&sim, &mut e, 80, 60);
     let u = sim.upstream(&e, "u");
     assert_eq!(
-        u.throttle_probability,
-        40.0 / 81.0,
-        "the snapshot shows the formula"
+        u.throttle_probability, 0.0,
+        "the snapshot shows what the throttle applies: nothing below adaptive_min_requests"
     );
+    assert_eq!((u.requests, u.accepts), (80, 20), "while still counting");
     let sheds = (0..500)
         .filter(|_| !sim.decide(&mut e, &call("a", "t")).is_admitted())
         .count();
@@ -1185,8 +1182,6 @@ fn a_429_feedback_refuses_the_calls_queued_for_that_upstream_via_drain() {
 }
 
 #[test]
-#[ignore = "engine bug: a 429 with Retry-After 0 starts no penalty, yet upstream_rate_limited sheds \
-            every call queued for that upstream with scope upstream_penalty and a 1 ms hint"]
 fn a_zero_retry_after_does_not_shed_queued_calls() {
     let sim = Sim::new(&queue_cfg());
     let mut e = sim.engine("acme");
@@ -1200,8 +1195,6 @@ fn a_zero_retry_after_does_not_shed_queued_calls() {
 }
 
 #[test]
-#[ignore = "engine bug: a tenant's own 429 sheds its queued calls with that 429's Retry-After even \
-            when a longer penalty (from another tenant, on a shared upstream) is already running"]
 fn queued_calls_are_told_the_longest_running_penalty() {
     let sim = Sim::new(
         "[limits.subject]\nconcurrency = 1\n[tools.t]\nupstream = \"s\"\n[upstreams.s]\nrate = \"100/s\"\nburst = 100\nshared = true\nadaptive_k = 0\n",

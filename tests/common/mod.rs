@@ -189,9 +189,12 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 /// A tiny HTTP/1.1 server that records every request (path and body) and answers 200: stands in for an
 /// OTLP collector or an Alertmanager.
+/// Requests a [`Recorder`] received: (path, body).
+pub type Recorded = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
 pub struct Recorder {
     pub addr: String,
-    pub requests: Arc<Mutex<Vec<(String, Vec<u8>)>>>,
+    pub requests: Recorded,
 }
 
 impl Recorder {
@@ -221,7 +224,7 @@ impl Recorder {
     }
 }
 
-fn serve_one(stream: std::net::TcpStream, reqs: Arc<Mutex<Vec<(String, Vec<u8>)>>>) {
+fn serve_one(stream: std::net::TcpStream, reqs: Recorded) {
     use std::io::Read;
     let mut reader = BufReader::new(stream);
     loop {
