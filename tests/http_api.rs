@@ -558,3 +558,61 @@ fn daily_quota_and_plans_apply_per_tenant() {
         .unwrap()
         .starts_with("\"subject\";q=5;w=10"));
 }
+
+#[test]
+fn idle_tenants_are_dropped_once_their_state_is_back_at_rest() {
+    let d = Daemon::start("[server]\nidle_ttl = \"1s\"\n");
+    for t in 0..10 {
+        let a = d.admit(call(&format!("t{t}"), "bot", "x"));
+        assert_eq!(a.status, 200);
+        assert_eq!(d.release(a.body["lease_id"].as_str().unwrap()).status, 200);
+    }
+    assert_eq!(d.get("/v1/tenants/t3").status, 200);
+    let actors = |d: &Daemon| {
+        common::metric(
+            d.get("/metrics").body.as_str().unwrap_or(""),
+            "admitd_tenant_actors",
+        )
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || actors(&d) == Some(10.0)),
+        "{:?}",
+        actors(&d)
+    );
+    // One token refills in half a second; a second later the tenants have been idle for idle_ttl.
+    assert!(
+        eventually(Duration::from_secs(8), || actors(&d) == Some(0.0)),
+        "actors left: {:?}",
+        actors(&d)
+    );
+    let gone = d.get("/v1/tenants/t3");
+    assert_eq!(
+        (gone.status, gone.body["error"].as_str()),
+        (404, Some("unknown_tenant"))
+    );
+    // A tenant that comes back starts from a full bucket, as if nothing had been dropped.
+    let back = d.admit(call("t3", "bot", "x"));
+    assert_eq!(
+        (back.status, back.body["remaining"].as_u64()),
+        (200, Some(19))
+    );
+}
+
+#[test]
+fn a_tenant_with_a_live_lease_is_never_dropped() {
+    let d = Daemon::start("[server]\nidle_ttl = \"1s\"\n");
+    let a = d.admit(call("keep", "bot", "x"));
+    std::thread::sleep(Duration::from_millis(2_500));
+    let snap = d.get("/v1/tenants/keep");
+    assert_eq!(
+        (snap.status, snap.body["inflight"].as_u64()),
+        (200, Some(1)),
+        "{:?}",
+        snap.body
+    );
+    assert_eq!(
+        d.release(a.body["lease_id"].as_str().unwrap()).status,
+        200,
+        "the lease survived"
+    );
+}
