@@ -436,3 +436,33 @@ fn a_tenant_whose_calls_are_mostly_shed_raises_an_alert_that_clears() {
         Some(0.0)
     );
 }
+
+#[test]
+fn upstream_rate_gauges_show_the_cut_and_return_to_the_configured_rate() {
+    let d = Daemon::start("[server]\nidle_ttl = \"1s\"\n[upstreams.u]\nrate = \"10/s\"\nburst = 10\nadaptive_window = \"2s\"\n");
+    let a = d.admit(json!({"tenant": "acme", "subject": "s", "tool": "t", "upstream": "u"}));
+    let r = d.post("/v1/release", json!({"lease_id": a.body["lease_id"], "outcome": "upstream_rate_limited", "retry_after": "0"}));
+    assert_eq!(r.status, 200);
+    let rate = |d: &Daemon| {
+        metric(
+            d.get("/metrics").body.as_str().unwrap_or(""),
+            r#"admitd_upstream_effective_rate{tenant="acme",upstream="u"}"#,
+        )
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || rate(&d) == Some(5.0)),
+        "the cut is not shown: {:?}",
+        rate(&d)
+    );
+    assert_eq!(
+        d.get("/v1/tenants/acme").body["upstreams"][0]["effective_rate"],
+        5.0
+    );
+    // No 429 for the adaptive window: the cut is forgotten, the tenant goes idle, and the gauge goes
+    // back to the configured rate instead of freezing at the cut.
+    assert!(
+        eventually(Duration::from_secs(10), || rate(&d) == Some(10.0)),
+        "stuck at {:?}",
+        rate(&d)
+    );
+}

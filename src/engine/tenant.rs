@@ -1790,8 +1790,15 @@ impl TenantEngine {
                 ));
             }
             if let Some(v) = self.upstream_view(name, now) {
-                if let Some(rate) = v.effective_rate {
-                    rates.push((name.clone(), rate, v.throttle_probability));
+                if let (Some(effective_rate), Some(configured_rate)) =
+                    (v.effective_rate, v.configured_rate)
+                {
+                    rates.push(UpstreamGauge {
+                        upstream: name.clone(),
+                        effective_rate,
+                        configured_rate,
+                        throttle_probability: v.throttle_probability,
+                    });
                 }
             }
         }
@@ -1814,6 +1821,15 @@ impl TenantEngine {
     }
 }
 
+/// The rate gauges of one per-tenant upstream budget.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpstreamGauge {
+    pub upstream: Arc<str>,
+    pub effective_rate: f64,
+    pub configured_rate: f64,
+    pub throttle_probability: f64,
+}
+
 /// Per-tenant gauge values, sampled by the tenant actor.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TenantGauges {
@@ -1828,7 +1844,7 @@ pub struct TenantGauges {
     /// Seconds of penalty left per upstream (per-tenant penalties only).
     pub penalties: Vec<(Arc<str>, f64)>,
     /// (upstream, effective rate per second, adaptive throttle probability), per-tenant upstreams.
-    pub upstream_rates: Vec<(Arc<str>, f64, f64)>,
+    pub upstream_rates: Vec<UpstreamGauge>,
     pub quota_used: Option<f64>,
     pub quota_limit: Option<f64>,
 }

@@ -54,6 +54,8 @@ pub struct MetricsActor {
     suppressed_recent: u64,
     /// Upstreams with a penalty gauge set, per tenant label, to zero them when the penalty ends.
     penalties: HashMap<Arc<str>, Vec<Arc<str>>>,
+    /// Per-tenant upstream rate series set, with their configured rates, to reset them when dropped.
+    upstream_rates: HashMap<Arc<str>, Vec<(Arc<str>, f64)>>,
 }
 
 impl MetricsActor {
@@ -67,6 +69,7 @@ impl MetricsActor {
             suppressed_total: 0,
             suppressed_recent: 0,
             penalties: HashMap::new(),
+            upstream_rates: HashMap::new(),
         }
     }
 
@@ -201,10 +204,25 @@ impl MetricsActor {
                         gauge!(DAILY_QUOTA_USED, "tenant" => t.clone()).set(used);
                         gauge!(DAILY_QUOTA_LIMIT, "tenant" => t.clone()).set(limit);
                     }
-                    for (up, rate, p) in &gauges.upstream_rates {
-                        let up = self.caps.upstream(up).to_string();
-                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => t.clone(), "upstream" => up.clone()).set(*rate);
-                        gauge!(UPSTREAM_THROTTLE, "tenant" => t.clone(), "upstream" => up).set(*p);
+                    // A budget whose state was dropped (or whose tenant stopped) is back at its
+                    // configured rate with no throttle: say so rather than freeze the last value.
+                    let before = self.upstream_rates.remove(&tenant).unwrap_or_default();
+                    let mut now_set = Vec::new();
+                    for g in &gauges.upstream_rates {
+                        let up = self.caps.upstream(&g.upstream);
+                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => t.clone(), "upstream" => up.to_string()).set(g.effective_rate);
+                        gauge!(UPSTREAM_THROTTLE, "tenant" => t.clone(), "upstream" => up.to_string()).set(g.throttle_probability);
+                        now_set.push((up, g.configured_rate));
+                    }
+                    for (up, configured) in before
+                        .iter()
+                        .filter(|(u, _)| !now_set.iter().any(|(n, _)| n == u))
+                    {
+                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => t.clone(), "upstream" => up.to_string()).set(*configured);
+                        gauge!(UPSTREAM_THROTTLE, "tenant" => t.clone(), "upstream" => up.to_string()).set(0.0);
+                    }
+                    if !now_set.is_empty() {
+                        self.upstream_rates.insert(tenant.clone(), now_set);
                     }
                     let penalties = gauges
                         .penalties

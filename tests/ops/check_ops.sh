@@ -152,8 +152,11 @@ LABELS = {
     "admitd_upstream_responses_total": {"tenant", "upstream"},
     "admitd_lease_expiries_total": {"tenant", "tool", "upstream"},
     "admitd_inflight": {"tenant"},
+    "admitd_waiting": {"tenant"},
     "admitd_bucket_utilization": {"tenant"},
     "admitd_upstream_penalty_seconds": {"tenant", "upstream"},
+    "admitd_upstream_effective_rate": {"tenant", "upstream"},
+    "admitd_upstream_throttle_probability": {"tenant", "upstream"},
     "admitd_daily_quota_used": {"tenant"},
     "admitd_daily_quota_limit": {"tenant"},
     "admitd_tenant_shed_ratio": {"tenant"},
@@ -304,12 +307,17 @@ for path in paths:
         for plan, body in cfg.get("plans", {}).items():
             for layer in ("subject", "tenant"):
                 bursts[f"plans.{plan}.{layer}"] = body.get(layer, {}).get("burst")
-        up = tool.get("upstream")
-        if up:
-            bursts[f"upstreams.{up}"] = cfg.get("upstreams", {}).get(up, {}).get("burst")
+        # An upstream is charged cost x units (amplification: upstreams = { NAME = units }).
+        ups = dict(tool.get("upstreams", {}))
+        if tool.get("upstream"):
+            ups[tool["upstream"]] = 1
         for where, burst in bursts.items():
             if burst is not None and cost > burst:
                 errors.append(f"{label}: tools.{name} cost {cost} > {where} burst {burst}")
+        for up, units in ups.items():
+            burst = cfg.get("upstreams", {}).get(up, {}).get("burst")
+            if burst is not None and cost * units > burst:
+                errors.append(f"{label}: tools.{name} charges {cost} x {units} to upstreams.{up}, more than its burst {burst}")
     if len(errors) == before:
         print(f"{label}: all {len(cfg.get('tools', {}))} tools fit their buckets")
 for e in errors:
