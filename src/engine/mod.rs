@@ -20,6 +20,8 @@ pub use tenant::{
 pub use types::*;
 
 #[cfg(test)]
+mod test_support;
+#[cfg(test)]
 mod tests;
 
 #[cfg(test)]

@@ -13,17 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::tenant::{TenantSnapshot, UpstreamSnapshot};
+use super::test_support::*;
 use super::*;
-use crate::clock::{ceil_ms, Clock, FakeClock, Nanos, NS_PER_MS, NS_PER_SEC};
+use crate::clock::{Clock, FakeClock, Nanos};
 use crate::config::Config;
-
-const MS: u64 = NS_PER_MS;
-const SEC: u64 = NS_PER_SEC;
-
-/// 2026-10-21T12:00:00.000Z.
-const NOON: i64 = 1_792_584_000_000;
-/// Where the monotonic clock starts, so no test runs at the special instant 0.
-const START_MS: u64 = 1_000_000;
 
 /// Limits so high that only the upstream layers under test can refuse a call.
 const ROOMY: &str = r#"
@@ -166,37 +159,6 @@ fn up_view(s: &TenantSnapshot, upstream: &str) -> UpstreamSnapshot {
         .unwrap_or_else(|| panic!("no upstream {upstream:?} in {:?}", s.upstreams))
 }
 
-fn call(subject: &str, tool: &str) -> AdmitRequest {
-    AdmitRequest {
-        subject: Arc::from(subject),
-        tool: Arc::from(tool),
-        upstream: None,
-        cost: None,
-        max_wait_ns: 0,
-    }
-}
-
-trait Req {
-    fn up(self, upstream: &str) -> Self;
-    fn cost(self, cost: f64) -> Self;
-    fn wait_ms(self, ms: u64) -> Self;
-}
-
-impl Req for AdmitRequest {
-    fn up(mut self, upstream: &str) -> Self {
-        self.upstream = Some(Arc::from(upstream));
-        self
-    }
-    fn cost(mut self, cost: f64) -> Self {
-        self.cost = Some(cost);
-        self
-    }
-    fn wait_ms(mut self, ms: u64) -> Self {
-        self.max_wait_ns = ms * MS;
-        self
-    }
-}
-
 fn ok() -> ReleaseInfo {
     ReleaseInfo {
         outcome: Outcome::Ok,
@@ -215,37 +177,6 @@ fn r429(retry_after: Option<Duration>) -> ReleaseInfo {
         retry_after,
         duration_ms: Some(20),
     }
-}
-
-fn admitted(d: &Decision) -> &Admitted {
-    match &d.verdict {
-        Verdict::Admitted(a) => a,
-        Verdict::Shed(s) => panic!(
-            "expected an admission, got a shed: {:?} ({}) retry {} ms",
-            s.scope, s.reason, s.retry_after_ms
-        ),
-    }
-}
-
-fn admitted_now(d: &Decision) -> u64 {
-    let a = admitted(d);
-    assert_eq!(a.hold_ns, 0, "admitted without a hold");
-    assert_eq!(a.would_shed, None);
-    a.lease
-}
-
-fn shed(d: &Decision) -> &Shed {
-    match &d.verdict {
-        Verdict::Shed(s) => s,
-        Verdict::Admitted(a) => panic!("expected a shed, got an admission: {a:?}"),
-    }
-}
-
-/// The hint for a true wait of `wait_ns`: the wait plus at most 5% (and at most 100 ms) of jitter,
-/// in whole milliseconds rounded up.
-fn hint_window(wait_ns: u64) -> std::ops::RangeInclusive<u64> {
-    let jitter_max = (wait_ns / 20).min(100 * MS);
-    ceil_ms(wait_ns).max(1)..=ceil_ms(wait_ns + jitter_max).max(1)
 }
 
 fn assert_shed(d: &Decision, scope: Scope, wait_ns: u64) -> Shed {
