@@ -57,6 +57,16 @@ async fn run(config: Config) -> Result<(), String> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(workers);
     for arbiter in &arbiters {
+        // Telemetry events leave a worker in batches (see `Telemetry::batch_this_thread`).
+        let events = shared.telemetry.clone();
+        arbiter.spawn(async move {
+            events.batch_this_thread();
+            let mut flush = tokio::time::interval(telemetry::FLUSH_EVERY);
+            loop {
+                flush.tick().await;
+                telemetry::Telemetry::flush_this_thread();
+            }
+        });
         let listener = listener
             .try_clone()
             .map_err(|e| format!("cannot share the socket on {addr}: {e}"))?;

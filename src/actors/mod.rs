@@ -14,7 +14,6 @@ pub mod global;
 pub mod tenant;
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -42,6 +41,7 @@ const SHARDS: usize = 16;
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Entry = (u64, Addr<TenantActor>);
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// State every part of the daemon shares. Cheap to reach through an `Arc`.
 pub struct Shared {
@@ -87,7 +87,9 @@ impl Shared {
             telemetry,
             seed,
             arbiters,
-            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| RwLock::new(HashMap::default()))
+                .collect(),
             next_generation: AtomicU64::new(1),
         })
     }

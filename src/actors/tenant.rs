@@ -25,9 +25,9 @@ use crate::engine::{
 use crate::telemetry::TenantEvent;
 
 /// How often leases are expired and idleness is checked.
-const TICK: Duration = Duration::from_millis(500);
+const TICK: Duration = Duration::from_secs(1);
 /// How often resting per-subject state is pruned.
-const PRUNE_EVERY_TICKS: u32 = 10;
+const PRUNE_EVERY_TICKS: u32 = 5;
 
 pub struct TenantActor {
     engine: TenantEngine,

@@ -277,6 +277,47 @@ pub fn policy_header(layers: &[LayerState]) -> String {
     s
 }
 
+thread_local! {
+    /// `RateLimit-Policy` values by layer shape. A deployment has few distinct shapes (one per plan,
+    /// tool bucket and upstream combination), and formatting the header on every answer cost more than
+    /// the admission decision itself.
+    static POLICIES: std::cell::RefCell<Vec<(Shape, HeaderValue)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A policy's shape: (name, q, w) per layer.
+type Shape = Vec<(std::borrow::Cow<'static, str>, u64, u64)>;
+
+/// Shapes remembered per worker; past this the cache starts over.
+const POLICY_CACHE: usize = 256;
+
+fn cached_policy_header(layers: &[LayerState]) -> Option<HeaderValue> {
+    if layers.is_empty() {
+        return None;
+    }
+    let same = |shape: &Shape| {
+        shape.len() == layers.len()
+            && shape.iter().zip(layers).all(|((n, q, w), l)| {
+                *n == l.name && *q == l.burst.floor() as u64 && *w == l.window_secs
+            })
+    };
+    POLICIES.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        if let Some((_, v)) = cache.iter().find(|(shape, _)| same(shape)) {
+            return Some(v.clone());
+        }
+        let v = HeaderValue::from_str(&policy_header(layers)).ok()?;
+        if cache.len() >= POLICY_CACHE {
+            cache.clear();
+        }
+        let shape = layers
+            .iter()
+            .map(|l| (l.name.clone(), l.burst.floor() as u64, l.window_secs))
+            .collect();
+        cache.push((shape, v.clone()));
+        Some(v)
+    })
+}
+
 /// `RateLimit`: the tightest layer, `"name";r=<whole tokens left>;t=<seconds until full>`.
 pub fn ratelimit_header(l: &LayerState) -> String {
     format!(
@@ -364,10 +405,8 @@ fn answer(
         }
     };
     let h = response.headers_mut();
-    if !d.layers.is_empty() {
-        if let Ok(v) = HeaderValue::from_str(&policy_header(&d.layers)) {
-            h.insert("ratelimit-policy", v);
-        }
+    if let Some(v) = cached_policy_header(&d.layers) {
+        h.insert("ratelimit-policy", v);
     }
     if let Some(t) = tightest {
         if let Ok(v) = HeaderValue::from_str(&ratelimit_header(t)) {
@@ -405,6 +444,30 @@ mod tests {
             "\"subject\";q=20;w=10, \"tenant\";q=50;w=5"
         );
         assert_eq!(ratelimit_header(&layers[0]), "\"subject\";r=19;t=1");
+    }
+
+    #[test]
+    fn the_policy_header_cache_answers_what_formatting_would() {
+        let a = [
+            layer(Layer::Subject, 20.0, 10, 19, 0),
+            layer(Layer::Tenant, 50.0, 5, 49, 0),
+        ];
+        let b = [
+            layer(Layer::Subject, 5.0, 10, 4, 0),
+            layer(Layer::Tenant, 50.0, 5, 49, 0),
+        ];
+        for _ in 0..3 {
+            assert_eq!(
+                cached_policy_header(&a).unwrap().to_str().unwrap(),
+                policy_header(&a)
+            );
+            assert_eq!(
+                cached_policy_header(&b).unwrap().to_str().unwrap(),
+                policy_header(&b)
+            );
+        }
+        assert_ne!(policy_header(&a), policy_header(&b));
+        assert!(cached_policy_header(&[]).is_none());
     }
 
     #[test]

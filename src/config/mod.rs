@@ -250,6 +250,8 @@ pub struct ServerConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TelemetryConfig {
     pub max_subjects_per_tenant: usize,
+    /// Subject label values across all tenants; later subjects are reported as `__other__`.
+    pub max_subjects_total: usize,
     pub otlp: Option<OtlpConfig>,
     /// Refusal log lines per second, across the daemon (further refusals are counted, not logged).
     pub refusal_log_per_sec: f64,
@@ -342,6 +344,7 @@ impl Default for Config {
             upstreams: HashMap::new(),
             telemetry: TelemetryConfig {
                 max_subjects_per_tenant: 1000,
+                max_subjects_total: 10_000,
                 otlp: None,
                 refusal_log_per_sec: 20.0,
             },
@@ -538,6 +541,7 @@ struct RawUpstream {
 #[serde(deny_unknown_fields)]
 struct RawTelemetry {
     max_subjects_per_tenant: Option<S<i64>>,
+    max_subjects_total: Option<S<i64>>,
     refusal_log_per_sec: Option<S<f64>>,
     otlp: Option<RawOtlp>,
 }
@@ -994,6 +998,10 @@ impl Validator<'_> {
         }
 
         if let Some(t) = raw.telemetry {
+            if let Some(v) = t.max_subjects_total {
+                cfg.telemetry.max_subjects_total =
+                    self.count("telemetry.max_subjects_total", &v, 0, 10_000_000)? as usize;
+            }
             if let Some(v) = t.max_subjects_per_tenant {
                 cfg.telemetry.max_subjects_per_tenant =
                     self.count("telemetry.max_subjects_per_tenant", &v, 0, 1_000_000)? as usize;

@@ -18,7 +18,12 @@
 //! charged all or nothing.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
+
+/// The engine's maps are keyed by caller-supplied names and lease numbers and looked up several times
+/// per decision: a fast seeded hasher (foldhash) instead of SipHash. The seed is random per map, so
+/// keys cannot be chosen to collide.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -349,12 +354,12 @@ impl TenantEngine {
             policy: Policy::new(cfg, &tenant),
             tenant,
             shared,
-            subjects: HashMap::new(),
+            subjects: HashMap::default(),
             tenant_bucket: Bucket::default(),
-            upstreams: HashMap::new(),
+            upstreams: HashMap::default(),
             inflight: 0,
             quota: QuotaCounter::default(),
-            leases: HashMap::new(),
+            leases: HashMap::default(),
             expiries: BinaryHeap::new(),
             waiters: VecDeque::new(),
             pending: Vec::new(),

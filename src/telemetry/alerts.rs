@@ -9,7 +9,9 @@
 //! `admitd_tenant_shed_ratio` and `admitd_alert_firing` gauges, a log line on every change, and
 //! optionally an Alertmanager `POST /api/v2/alerts`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +21,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 
 use super::names::{ALERT_FIRING, SHED_RATIO_ALERT, TENANT_SHED_RATIO};
-use super::{DecisionKind, Event};
+use super::{Batch, DecisionKind, Event};
 use crate::clock::{Clock, Nanos};
 use crate::config::AlertsConfig;
 
@@ -102,7 +104,7 @@ impl AlertEvaluator {
     pub fn new(cfg: AlertsConfig) -> Self {
         AlertEvaluator {
             cfg,
-            tenants: HashMap::new(),
+            tenants: HashMap::default(),
         }
     }
 
@@ -245,7 +247,7 @@ impl AlertActor {
             clock,
             firing,
             alertmanager,
-            exported: HashMap::new(),
+            exported: HashMap::default(),
             ticks: 0,
         }
     }
@@ -266,7 +268,7 @@ impl AlertActor {
                 push_alertmanager(url.clone(), &change, wall);
             }
         }
-        let mut seen = HashMap::new();
+        let mut seen = HashMap::default();
         for (tenant, ratio, calls, firing) in self.evaluator.ratios() {
             if calls > 0 || firing {
                 metrics::gauge!(TENANT_SHED_RATIO, "tenant" => tenant.to_string()).set(ratio);
@@ -309,13 +311,16 @@ impl Actor for AlertActor {
     }
 }
 
-impl Handler<Event> for AlertActor {
+impl Handler<Batch> for AlertActor {
     type Result = ();
 
-    fn handle(&mut self, ev: Event, _: &mut Context<Self>) {
-        if let Event::Decision(d) = ev {
-            let shed = d.kind != DecisionKind::Admitted;
-            self.evaluator.record(&d.tenant, shed, self.clock.mono());
+    fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
+        let now = self.clock.mono();
+        for ev in batch.0.iter() {
+            if let Event::Decision(d) = ev {
+                self.evaluator
+                    .record(&d.tenant, d.kind != DecisionKind::Admitted, now);
+            }
         }
     }
 }

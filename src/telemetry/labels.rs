@@ -2,13 +2,15 @@
 //!
 //! Tenants, subjects, tools and upstreams are caller-supplied strings, so a label per value would let one
 //! misbehaving client grow the metric registry without bound. Each tenant may introduce at most
-//! `max_subjects_per_tenant` subject values (later ones are reported as `__other__`), and tenants, tools
-//! and upstreams have fixed caps of their own, so the total number of series is bounded by the product
-//! of the caps however many distinct names appear. A value keeps its label once admitted, so series
-//! never flip between a name and `__other__`.
+//! `max_subjects_per_tenant` subject values, and all tenants together at most `max_subjects_total`
+//! (later ones are reported as `__other__`); tenants, tools and upstreams have fixed caps of their own.
+//! The number of series is therefore bounded however many distinct names appear. A value keeps its
+//! label once admitted, so series never flip between a name and `__other__`.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 use super::names::OTHER;
 
@@ -27,6 +29,8 @@ struct TenantLabels {
 #[derive(Debug)]
 pub struct LabelCap {
     max_subjects: usize,
+    max_subjects_total: usize,
+    subjects_total: usize,
     tenants: HashMap<Arc<str>, TenantLabels>,
     upstreams: HashSet<Arc<str>>,
     other: Arc<str>,
@@ -44,17 +48,20 @@ fn admit(set: &mut HashSet<Arc<str>>, value: &Arc<str>, cap: usize, other: &Arc<
 }
 
 impl LabelCap {
-    pub fn new(max_subjects: usize) -> Self {
+    pub fn new(max_subjects: usize, max_subjects_total: usize) -> Self {
         LabelCap {
             max_subjects,
-            tenants: HashMap::new(),
-            upstreams: HashSet::new(),
+            max_subjects_total,
+            subjects_total: 0,
+            tenants: HashMap::default(),
+            upstreams: HashSet::default(),
             other: Arc::from(OTHER),
         }
     }
 
-    pub fn set_max_subjects(&mut self, max_subjects: usize) {
+    pub fn set_max_subjects(&mut self, max_subjects: usize, max_subjects_total: usize) {
         self.max_subjects = max_subjects;
+        self.max_subjects_total = max_subjects_total;
     }
 
     /// The tenant label.
@@ -79,9 +86,16 @@ impl LabelCap {
     ) -> (Arc<str>, Arc<str>, Arc<str>) {
         let t = self.tenant(tenant);
         let other = self.other.clone();
-        let max_subjects = self.max_subjects;
+        let room = self.subjects_total < self.max_subjects_total;
+        let max_subjects = if room { self.max_subjects } else { 0 };
         let labels = self.tenants.entry(t.clone()).or_default();
-        let s = admit(&mut labels.subjects, subject, max_subjects, &other);
+        let before = labels.subjects.len();
+        let s = if labels.subjects.contains(subject) {
+            subject.clone()
+        } else {
+            admit(&mut labels.subjects, subject, max_subjects, &other)
+        };
+        self.subjects_total += labels.subjects.len() - before;
         let tl = admit(&mut labels.tools, tool, MAX_TOOLS_PER_TENANT, &other);
         (t, s, tl)
     }
@@ -103,7 +117,7 @@ mod tests {
 
     #[test]
     fn subjects_past_the_cap_fold_into_other_and_known_ones_keep_their_name() {
-        let mut c = LabelCap::new(3);
+        let mut c = LabelCap::new(3, 1_000);
         let t = a("acme");
         let tool = a("search");
         for i in 0..3 {
@@ -117,8 +131,25 @@ mod tests {
     }
 
     #[test]
+    fn all_tenants_together_introduce_at_most_max_subjects_total() {
+        let mut c = LabelCap::new(100, 5);
+        let tool = a("search");
+        let mut named = 0;
+        for t in 0..4 {
+            for s in 0..3 {
+                if &*c.call(&a(&format!("t{t}")), &a(&format!("s{s}")), &tool).1 != OTHER {
+                    named += 1;
+                }
+            }
+        }
+        assert_eq!(named, 5);
+        // a subject that got its name keeps it
+        assert_eq!(&*c.call(&a("t0"), &a("s0"), &tool).1, "s0");
+    }
+
+    #[test]
     fn tools_and_upstreams_are_capped_too() {
-        let mut c = LabelCap::new(10);
+        let mut c = LabelCap::new(10, 1_000);
         let t = a("acme");
         let s = a("s");
         for i in 0..MAX_TOOLS_PER_TENANT {
@@ -133,7 +164,7 @@ mod tests {
 
     #[test]
     fn a_zero_cap_reports_every_subject_as_other() {
-        let mut c = LabelCap::new(0);
+        let mut c = LabelCap::new(0, 1_000);
         assert_eq!(&*c.call(&a("t"), &a("s"), &a("x")).1, OTHER);
     }
 }

@@ -14,14 +14,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter, Histogram};
 
 use super::labels::LabelCap;
 use super::names::*;
-use super::{hash_identity, DecisionKind, Event, TenantEvent};
+use super::{hash_identity, Batch, DecisionEvent, DecisionKind, Event, TenantEvent};
 use crate::clock::{Clock, NS_PER_SEC};
 use crate::config::{BucketSpec, TelemetryConfig};
 use crate::engine::bucket::{Bucket, Gcra, Take};
+use crate::engine::Scope;
 
 /// A token bucket for log lines.
 #[derive(Debug)]
@@ -46,8 +47,38 @@ impl LogThrottle {
     }
 }
 
+/// The (capped) labels of an admission series.
+type AdmissionKey = (
+    Arc<str>,
+    Arc<str>,
+    Arc<str>,
+    Arc<str>,
+    DecisionKind,
+    Option<Scope>,
+);
+
+/// A call's label values after capping.
+struct Labels {
+    tenant: Arc<str>,
+    subject: Arc<str>,
+    tool: Arc<str>,
+    upstream: Arc<str>,
+}
+
+/// Series handles by label values. Looking a handle up here costs one hash of the names; going through
+/// the registry would cost label allocation and a registry lookup on every event. The caps bound the
+/// number of series, and so these maps; past [`HANDLE_CACHE`] entries a map is cleared anyway.
+type Handles<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+const HANDLE_CACHE: usize = 100_000;
+
 pub struct MetricsActor {
+    admissions: Handles<AdmissionKey, Counter>,
+    waits: Handles<(Arc<str>, Arc<str>), Histogram>,
+    retries: Handles<(Arc<str>, Scope), Histogram>,
+    decision_hist: Histogram,
     caps: LabelCap,
+    /// The label of calls without an upstream.
+    none: Arc<str>,
     clock: Arc<dyn Clock>,
     throttle: LogThrottle,
     suppressed_total: u64,
@@ -63,7 +94,12 @@ impl MetricsActor {
         gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(0);
         MetricsActor {
-            caps: LabelCap::new(cfg.max_subjects_per_tenant),
+            admissions: Handles::default(),
+            waits: Handles::default(),
+            retries: Handles::default(),
+            decision_hist: histogram!(DECISION_DURATION),
+            caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
+            none: Arc::from(NO_UPSTREAM),
             clock,
             throttle: LogThrottle::new(cfg.refusal_log_per_sec),
             suppressed_total: 0,
@@ -76,7 +112,7 @@ impl MetricsActor {
     fn upstream_label(&mut self, upstream: &Option<Arc<str>>) -> Arc<str> {
         match upstream {
             Some(u) => self.caps.upstream(u),
-            None => Arc::from(NO_UPSTREAM),
+            None => self.none.clone(),
         }
     }
 
@@ -99,34 +135,85 @@ impl MetricsActor {
         }
     }
 
-    fn record(&mut self, ev: Event) {
+    /// The series handle for a decision's labels, from the cache or (first time) the registry.
+    fn admission_counter(&mut self, d: &DecisionEvent, labels: &Labels) -> Counter {
+        let key: AdmissionKey = (
+            labels.tenant.clone(),
+            labels.subject.clone(),
+            labels.tool.clone(),
+            labels.upstream.clone(),
+            d.kind,
+            d.scope,
+        );
+        if let Some(c) = self.admissions.get(&key) {
+            return c.clone();
+        }
+        let c = counter!(
+            ADMISSIONS,
+            "tenant" => labels.tenant.to_string(),
+            "subject" => labels.subject.to_string(),
+            "tool" => labels.tool.to_string(),
+            "upstream" => labels.upstream.to_string(),
+            "decision" => d.kind.as_str(),
+            "scope" => d.scope.map_or("none", |s| s.as_str()),
+        );
+        if self.admissions.len() >= HANDLE_CACHE {
+            self.admissions.clear();
+        }
+        self.admissions.insert(key, c.clone());
+        c
+    }
+
+    fn wait_hist(&mut self, labels: &Labels) -> Histogram {
+        let key = (labels.tenant.clone(), labels.tool.clone());
+        if let Some(h) = self.waits.get(&key) {
+            return h.clone();
+        }
+        let h = histogram!(ADMISSION_WAIT, "tenant" => labels.tenant.to_string(), "tool" => labels.tool.to_string());
+        if self.waits.len() >= HANDLE_CACHE {
+            self.waits.clear();
+        }
+        self.waits.insert(key, h.clone());
+        h
+    }
+
+    fn retry_hist(&mut self, labels: &Labels, scope: Scope) -> Histogram {
+        let key = (labels.tenant.clone(), scope);
+        if let Some(h) = self.retries.get(&key) {
+            return h.clone();
+        }
+        let h = histogram!(RETRY_AFTER, "tenant" => labels.tenant.to_string(), "scope" => scope.as_str());
+        if self.retries.len() >= HANDLE_CACHE {
+            self.retries.clear();
+        }
+        self.retries.insert(key, h.clone());
+        h
+    }
+
+    fn record(&mut self, ev: &Event) {
         match ev {
             Event::Decision(d) => {
-                let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
-                let upstream = self.upstream_label(&d.upstream);
                 let scope = d.scope.map_or("none", |s| s.as_str());
-                counter!(
-                    ADMISSIONS,
-                    "tenant" => tenant.to_string(),
-                    "subject" => subject.to_string(),
-                    "tool" => tool.to_string(),
-                    "upstream" => upstream.to_string(),
-                    "decision" => d.kind.as_str(),
-                    "scope" => scope,
-                )
-                .increment(1);
-                histogram!(DECISION_DURATION).record(d.decision_ns as f64 / NS_PER_SEC as f64);
-                match d.kind {
-                    DecisionKind::Admitted | DecisionKind::ShadowShed => {
-                        histogram!(ADMISSION_WAIT, "tenant" => tenant.to_string(), "tool" => tool.to_string())
+                let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
+                let labels = Labels {
+                    tenant,
+                    subject,
+                    tool,
+                    upstream: self.upstream_label(&d.upstream),
+                };
+                self.admission_counter(d, &labels).increment(1);
+                self.decision_hist
+                    .record(d.decision_ns as f64 / NS_PER_SEC as f64);
+                match (d.kind, d.scope) {
+                    (DecisionKind::Admitted | DecisionKind::ShadowShed, _) => {
+                        self.wait_hist(&labels)
                             .record(d.waited_ns as f64 / NS_PER_SEC as f64);
                     }
-                    DecisionKind::Shed => {
-                        if d.retryable {
-                            histogram!(RETRY_AFTER, "tenant" => tenant.to_string(), "scope" => scope)
-                                .record(d.retry_after_ms as f64 / 1000.0);
-                        }
+                    (DecisionKind::Shed, Some(s)) if d.retryable => {
+                        self.retry_hist(&labels, s)
+                            .record(d.retry_after_ms as f64 / 1000.0);
                     }
+                    (DecisionKind::Shed, _) => {}
                 }
                 if d.kind != DecisionKind::Admitted {
                     if self.throttle.allow(self.clock.mono()) {
@@ -171,7 +258,7 @@ impl MetricsActor {
                 counter!(UPSTREAM_RESPONSES, "tenant" => tenant.to_string(), "upstream" => upstream.to_string(), "status" => f.status.to_string())
                     .increment(1);
             }
-            Event::Tenant(t) => match &*t {
+            Event::Tenant(t) => match &**t {
                 TenantEvent::LeaseExpired {
                     tenant,
                     subject,
@@ -267,11 +354,13 @@ impl Actor for MetricsActor {
     }
 }
 
-impl Handler<Event> for MetricsActor {
+impl Handler<Batch> for MetricsActor {
     type Result = ();
 
-    fn handle(&mut self, ev: Event, _: &mut Context<Self>) {
-        self.record(ev);
+    fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
+        for ev in batch.0.iter() {
+            self.record(ev);
+        }
     }
 }
 
@@ -283,7 +372,8 @@ pub struct SetTelemetry(pub TelemetryConfig);
 impl Handler<SetTelemetry> for MetricsActor {
     type Result = ();
     fn handle(&mut self, msg: SetTelemetry, _: &mut Context<Self>) {
-        self.caps.set_max_subjects(msg.0.max_subjects_per_tenant);
+        self.caps
+            .set_max_subjects(msg.0.max_subjects_per_tenant, msg.0.max_subjects_total);
         self.throttle = LogThrottle::new(msg.0.refusal_log_per_sec);
     }
 }

@@ -36,7 +36,7 @@ pub fn hash_identity(s: &str) -> String {
 }
 
 /// What became of an admission request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DecisionKind {
     Admitted,
     Shed,
@@ -124,8 +124,7 @@ pub enum TenantEvent {
 }
 
 /// Everything a telemetry sink may receive.
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "()")]
+#[derive(Debug, Clone)]
 pub enum Event {
     Decision(Arc<DecisionEvent>),
     Release(Arc<ReleaseEvent>),
@@ -133,9 +132,36 @@ pub enum Event {
     Tenant(Arc<TenantEvent>),
 }
 
+/// Events delivered together: one mailbox message (and at most one cross-thread wake-up) for many
+/// events.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct Batch(pub Arc<Vec<Event>>);
+
+/// Events a worker thread collected and not yet handed to the sinks.
+struct Pending {
+    events: Vec<Event>,
+    to: Telemetry,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.to.send(std::mem::take(&mut self.events));
+    }
+}
+
+thread_local! {
+    /// `Some` on threads that batch (the workers, which also flush it every [`FLUSH_EVERY`]).
+    static PENDING: std::cell::RefCell<Option<Pending>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Events a worker collects before it hands them over, at most.
+const BATCH: usize = 256;
+/// How often a worker hands over what it collected, at least.
+pub const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+
 struct Sink {
-    recipient: Recipient<Event>,
-    decisions_only: bool,
+    recipient: Recipient<Batch>,
 }
 
 /// The handle the daemon reports through. Cheap to clone.
@@ -153,12 +179,58 @@ impl Telemetry {
         Telemetry::default()
     }
 
-    fn offer(&self, ev: Event) {
-        let decision = matches!(ev, Event::Decision(_));
+    /// Makes the current thread collect events and hand them over in batches (of up to 256, or
+    /// whatever it has when [`Telemetry::flush_this_thread`] runs): a worker answering thousands of
+    /// admissions a second then wakes the telemetry thread about a hundred times a second, not once
+    /// per admission and sink. Threads that never call this send each event at once.
+    pub fn batch_this_thread(&self) {
+        if self.sinks.is_empty() {
+            return;
+        }
+        PENDING.with(|p| {
+            *p.borrow_mut() = Some(Pending {
+                events: Vec::with_capacity(BATCH),
+                to: self.clone(),
+            })
+        });
+    }
+
+    /// Hands over what the current thread collected.
+    pub fn flush_this_thread() {
+        let taken = PENDING.with(|p| {
+            p.borrow_mut()
+                .as_mut()
+                .map(|p| (std::mem::take(&mut p.events), p.to.clone()))
+        });
+        if let Some((events, to)) = taken {
+            to.send(events);
+        }
+    }
+
+    fn send(&self, events: Vec<Event>) {
+        if events.is_empty() {
+            return;
+        }
+        let n = events.len() as u64;
+        let batch = Batch(Arc::new(events));
         for sink in self.sinks.iter() {
-            if (decision || !sink.decisions_only) && sink.recipient.try_send(ev.clone()).is_err() {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
+            if sink.recipient.try_send(batch.clone()).is_err() {
+                self.dropped.fetch_add(n, Ordering::Relaxed);
             }
+        }
+    }
+
+    fn offer(&self, ev: Event) {
+        let full = PENDING.with(|p| match p.borrow_mut().as_mut() {
+            Some(p) => {
+                p.events.push(ev);
+                (p.events.len() >= BATCH)
+                    .then(|| std::mem::replace(&mut p.events, Vec::with_capacity(BATCH)))
+            }
+            None => Some(vec![ev]),
+        });
+        if let Some(events) = full {
+            self.send(events);
         }
     }
 
@@ -253,11 +325,9 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     let mut sinks = vec![
         Sink {
             recipient: metrics_addr.clone().recipient(),
-            decisions_only: false,
         },
         Sink {
             recipient: alerts_addr.clone().recipient(),
-            decisions_only: true,
         },
     ];
     if let Some(p) = &tracer_provider {
@@ -266,7 +336,6 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
             spans::SpanActor::start_in_arbiter(&h, move |_| spans::SpanActor::new(&p, sclock, ttl));
         sinks.push(Sink {
             recipient: spans_addr.recipient(),
-            decisions_only: false,
         });
     }
     let telemetry = Telemetry {

@@ -26,7 +26,9 @@ use opentelemetry_sdk::trace::{
 };
 use opentelemetry_sdk::Resource;
 
-use super::{hash_identity, DecisionEvent, DecisionKind, Event, FeedbackEvent, ReleaseEvent};
+use super::{
+    hash_identity, Batch, DecisionEvent, DecisionKind, Event, FeedbackEvent, ReleaseEvent,
+};
 use crate::clock::{Clock, Nanos, NS_PER_SEC};
 use crate::config::OtlpConfig;
 
@@ -245,15 +247,17 @@ impl Actor for SpanActor {
     }
 }
 
-impl Handler<Event> for SpanActor {
+impl Handler<Batch> for SpanActor {
     type Result = ();
 
-    fn handle(&mut self, ev: Event, _: &mut Context<Self>) {
-        match ev {
-            Event::Decision(d) => self.decision(&d),
-            Event::Release(r) => self.release(&r),
-            Event::Feedback(f) => self.feedback(&f),
-            Event::Tenant(_) => {}
+    fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
+        for ev in batch.0.iter() {
+            match ev {
+                Event::Decision(d) => self.decision(d),
+                Event::Release(r) => self.release(r),
+                Event::Feedback(f) => self.feedback(f),
+                Event::Tenant(_) => {}
+            }
         }
     }
 }
