@@ -44,14 +44,21 @@ async fn run(config: Config) -> Result<(), String> {
     let handles = arbiters.iter().map(|a| a.handle()).collect();
 
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
-    let telemetry = telemetry::start(&config, clock.clone())?;
-    let shared = Shared::new(config, clock, telemetry.telemetry.clone(), handles);
+    let telemetry = match config.telemetry.enabled {
+        true => Some(telemetry::start(&config, clock.clone())?),
+        false => None,
+    };
+    let events = telemetry
+        .as_ref()
+        .map(|t| t.telemetry.clone())
+        .unwrap_or_default();
+    let shared = Shared::new(config, clock, events, handles);
     let global = GlobalActor::new(shared.clone()).start();
     let app = Arc::new(App {
         shared: shared.clone(),
         global: global.clone(),
-        metrics: Some(telemetry.render_metrics.clone()),
-        alerts: Some(telemetry.render_alerts.clone()),
+        metrics: telemetry.as_ref().map(|t| t.render_metrics.clone()),
+        alerts: telemetry.as_ref().map(|t| t.render_alerts.clone()),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -108,9 +115,11 @@ async fn run(config: Config) -> Result<(), String> {
     for arbiter in arbiters {
         arbiter.stop();
     }
-    telemetry.arbiter.stop();
-    if let Some(provider) = telemetry.tracer_provider {
-        spans::shutdown(provider);
+    if let Some(telemetry) = telemetry {
+        telemetry.arbiter.stop();
+        if let Some(provider) = telemetry.tracer_provider {
+            spans::shutdown(provider);
+        }
     }
     Ok(())
 }

@@ -616,3 +616,15 @@ fn a_tenant_with_a_live_lease_is_never_dropped() {
         "the lease survived"
     );
 }
+
+#[test]
+fn telemetry_can_be_turned_off() {
+    let d = Daemon::start("[telemetry]\nenabled = false\n");
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+    let m = d.get("/metrics");
+    assert_eq!(
+        (m.status, m.body["error"].as_str()),
+        (404, Some("not_found"))
+    );
+    assert_eq!(d.get("/v1/alerts").status, 404);
+}

@@ -158,19 +158,21 @@ fn total_series_stay_bounded_however_many_subjects_appear() {
         assert_eq!(a.status, 200);
         d.release(a.body["lease_id"].as_str().unwrap());
     }
-    let text = d.get("/metrics").body.as_str().unwrap().to_string();
+    // Workers hand telemetry over in batches at least every 10 ms: wait for the last one.
+    let other = r#"admitd_admissions_total{tenant="acme",subject="__other__",tool="search",upstream="none",decision="admitted",scope="none"}"#;
+    let mut text = String::new();
+    assert!(
+        eventually(Duration::from_secs(2), || {
+            text = d.get("/metrics").body.as_str().unwrap().to_string();
+            metric(&text, other) == Some(295.0)
+        }),
+        "{text}"
+    );
     let series = text
         .lines()
         .filter(|l| l.starts_with("admitd_admissions_total{"))
         .count();
     assert_eq!(series, 6, "5 named subjects + __other__:\n{text}");
-    assert_eq!(
-        metric(
-            &text,
-            r#"admitd_admissions_total{tenant="acme",subject="__other__",tool="search",upstream="none",decision="admitted",scope="none"}"#
-        ),
-        Some(295.0)
-    );
 }
 
 fn attr<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a any_value::Value> {

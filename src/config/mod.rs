@@ -255,6 +255,9 @@ pub struct TelemetryConfig {
     pub otlp: Option<OtlpConfig>,
     /// Refusal log lines per second, across the daemon (further refusals are counted, not logged).
     pub refusal_log_per_sec: f64,
+    /// Metrics, spans, the refusal log and alerts; `false` turns all of them off (to measure what they
+    /// cost, or where none is wanted).
+    pub enabled: bool,
 }
 
 /// `[telemetry.otlp]`.
@@ -347,6 +350,7 @@ impl Default for Config {
                 max_subjects_total: 10_000,
                 otlp: None,
                 refusal_log_per_sec: 20.0,
+                enabled: true,
             },
             alerts: AlertsConfig {
                 shed_ratio: 0.5,
@@ -543,6 +547,7 @@ struct RawTelemetry {
     max_subjects_per_tenant: Option<S<i64>>,
     max_subjects_total: Option<S<i64>>,
     refusal_log_per_sec: Option<S<f64>>,
+    enabled: Option<bool>,
     otlp: Option<RawOtlp>,
 }
 
@@ -998,6 +1003,9 @@ impl Validator<'_> {
         }
 
         if let Some(t) = raw.telemetry {
+            if let Some(v) = t.enabled {
+                cfg.telemetry.enabled = v;
+            }
             if let Some(v) = t.max_subjects_total {
                 cfg.telemetry.max_subjects_total =
                     self.count("telemetry.max_subjects_total", &v, 0, 10_000_000)? as usize;
@@ -1237,6 +1245,24 @@ min_calls = 100
 
         let e = err("[bogus]\nx = 1\n");
         assert!(e.starts_with("cfg.toml:1: unknown field `bogus`"), "{e}");
+    }
+
+    #[test]
+    fn telemetry_switches_and_caps() {
+        let c = Config::parse(
+            "c",
+            "[telemetry]\nenabled = false\nmax_subjects_total = 50\n",
+        )
+        .unwrap();
+        assert!(!c.telemetry.enabled);
+        assert_eq!(c.telemetry.max_subjects_total, 50);
+        assert!(Config::default().telemetry.enabled);
+        assert_eq!(Config::default().telemetry.max_subjects_total, 10_000);
+        let e = err("[telemetry]\nmax_subjects_total = -1\n");
+        assert!(
+            e.starts_with("cfg.toml:2: telemetry.max_subjects_total must be a whole number"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use metrics::{counter, gauge, histogram, Counter, Histogram};
+use metrics_exporter_prometheus::PrometheusHandle;
 
 use super::labels::LabelCap;
 use super::names::*;
@@ -76,6 +77,9 @@ pub struct MetricsActor {
     waits: Handles<(Arc<str>, Arc<str>), Histogram>,
     retries: Handles<(Arc<str>, Scope), Histogram>,
     decision_hist: Histogram,
+    /// Histograms keep raw samples until the exporter's upkeep folds them into buckets; without a
+    /// periodic upkeep they would grow with every admission between scrapes.
+    exporter: PrometheusHandle,
     caps: LabelCap,
     /// The label of calls without an upstream.
     none: Arc<str>,
@@ -90,7 +94,7 @@ pub struct MetricsActor {
 }
 
 impl MetricsActor {
-    pub fn new(cfg: &TelemetryConfig, clock: Arc<dyn Clock>) -> Self {
+    pub fn new(cfg: &TelemetryConfig, clock: Arc<dyn Clock>, exporter: PrometheusHandle) -> Self {
         gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(0);
         MetricsActor {
@@ -98,6 +102,7 @@ impl MetricsActor {
             waits: Handles::default(),
             retries: Handles::default(),
             decision_hist: histogram!(DECISION_DURATION),
+            exporter,
             caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
             none: Arc::from(NO_UPSTREAM),
             clock,
@@ -337,6 +342,7 @@ impl MetricsActor {
     }
 
     fn tick(&mut self) {
+        self.exporter.run_upkeep();
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(self.suppressed_total);
         if self.suppressed_recent > 0 {
             tracing::info!(target: "admitd::refusal", suppressed = self.suppressed_recent, "refusal log lines suppressed in the last second (rate limited)");
