@@ -1,0 +1,260 @@
+//! Cost of one admission decision in the pure engine, without HTTP, actors or a real clock.
+//!
+//! Each benchmark drives a [`TenantEngine`] with a fake monotonic clock that moves 1 µs per call, so
+//! buckets refill as they would under a steady load of one million calls per second on one tenant. The
+//! limits are set so that only the layer a benchmark is about can refuse.
+//!
+//! Admissions hold leases until they are released. Where a benchmark times admissions alone, it admits
+//! a batch, stops the clock, and releases the batch (and runs the periodic lease expiry the tenant actor
+//! would run) before the next batch, so the lease table stays small and the measurement stays the
+//! decision itself.
+//!
+//! Run: `cargo bench --bench engine` (add `-- --quick` for a short run).
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use admitd::config::Config;
+use admitd::engine::{
+    AdmitRequest, AdmitResult, Outcome, ReleaseInfo, SharedBudgets, TenantEngine, Verdict,
+};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+
+/// Simulated time between two calls.
+const STEP_NS: u64 = 1_000;
+/// A fixed wall clock (2026-09-01T00:00:00Z); only daily quotas look at it.
+const WALL_MS: i64 = 1_788_220_800_000;
+/// Admissions per timed batch before their leases are released off the clock.
+const BATCH: u64 = 1_000;
+/// The server's default `max_wait`, as the HTTP layer would pass it.
+const MAX_WAIT_NS: u64 = 2_000_000_000;
+
+/// Limits high enough that nothing is refused: 10 M tokens per second on every layer and room for a
+/// full batch of calls in flight.
+const OPEN: &str = r#"
+[limits.subject]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.tenant]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.global]
+rate = "10000000/s"
+burst = 10000000
+"#;
+
+/// The subject bucket holds one token and refills once an hour: after the first call, every call is shed
+/// with scope `subject`.
+const EMPTY_SUBJECT: &str = r#"
+[limits.subject]
+rate = "1/h"
+burst = 1
+concurrency = 1000000
+
+[limits.tenant]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.global]
+rate = "10000000/s"
+burst = 10000000
+"#;
+
+/// [`OPEN`] plus a tool with its own per-subject bucket and a per-tenant upstream budget, so an admitted
+/// call passes all five bucket layers.
+const TOOL_AND_UPSTREAM: &str = r#"
+[limits.subject]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.tenant]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.global]
+rate = "10000000/s"
+burst = 10000000
+
+[tools.get_sales]
+cost = 2
+upstream = "warehouse"
+rate = "10000000/s"
+burst = 10000000
+
+[upstreams.warehouse]
+rate = "10000000/s"
+burst = 10000000
+"#;
+
+fn engine(toml: &str) -> TenantEngine {
+    let cfg = match Config::parse("bench", toml) {
+        Ok(c) => Arc::new(c),
+        Err(e) => panic!("bench config does not parse: {e}"),
+    };
+    let shared = Arc::new(SharedBudgets::new(&cfg));
+    TenantEngine::new(Arc::from("acme"), cfg, shared, 7)
+}
+
+fn request(subject: &str, tool: &str) -> AdmitRequest {
+    AdmitRequest {
+        subject: Arc::from(subject),
+        tool: Arc::from(tool),
+        upstream: None,
+        cost: None,
+        max_wait_ns: MAX_WAIT_NS,
+    }
+}
+
+fn release_ok() -> ReleaseInfo {
+    ReleaseInfo {
+        outcome: Outcome::Ok,
+        upstream_status: None,
+        retry_after: None,
+        duration_ms: None,
+    }
+}
+
+/// The lease of an admission; panics on anything else, because a benchmark that sheds by mistake would
+/// measure the wrong path.
+fn lease_of(result: AdmitResult) -> u64 {
+    match result {
+        AdmitResult::Decided(d) => match d.verdict {
+            Verdict::Admitted(a) => a.lease,
+            Verdict::Shed(s) => panic!("expected an admission, got a shed ({})", s.scope.as_str()),
+        },
+        AdmitResult::Queued { .. } => panic!("expected an admission, got a queued call"),
+    }
+}
+
+/// Times `iters` admissions of `reqs` (cycled), in batches whose leases are released off the clock.
+fn time_admissions(
+    engine: &mut TenantEngine,
+    reqs: &[AdmitRequest],
+    now: &mut u64,
+    iters: u64,
+) -> Duration {
+    let info = release_ok();
+    let mut leases = Vec::with_capacity(BATCH as usize);
+    let mut total = Duration::ZERO;
+    let mut next = 0usize;
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(BATCH);
+        let start = Instant::now();
+        for _ in 0..n {
+            *now += STEP_NS;
+            let result = engine.admit(&reqs[next], *now, WALL_MS);
+            next = (next + 1) % reqs.len();
+            leases.push(lease_of(black_box(result)));
+        }
+        total += start.elapsed();
+        for lease in leases.drain(..) {
+            let _ = engine.release(lease, &info, *now, WALL_MS);
+        }
+        engine.expire_leases(*now, WALL_MS);
+        left -= n;
+    }
+    total
+}
+
+fn admit_hot_subject(c: &mut Criterion) {
+    let mut engine = engine(OPEN);
+    let reqs = [request("agent-1", "search")];
+    let mut now = 0u64;
+    let mut g = c.benchmark_group("engine");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("admit_hot_subject", |b| {
+        b.iter_custom(|iters| time_admissions(&mut engine, &reqs, &mut now, iters))
+    });
+    g.finish();
+}
+
+fn admit_release_10k_subjects(c: &mut Criterion) {
+    let mut engine = engine(OPEN);
+    let reqs: Vec<AdmitRequest> = (0..10_000)
+        .map(|i| request(&format!("agent-{i}"), &format!("tool{}", i % 8)))
+        .collect();
+    let info = release_ok();
+    let mut now = 0u64;
+    let mut next = 0usize;
+    let mut g = c.benchmark_group("engine");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("admit_release_10k_subjects", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(BATCH);
+                let start = Instant::now();
+                for _ in 0..n {
+                    now += STEP_NS;
+                    let lease = lease_of(engine.admit(&reqs[next], now, WALL_MS));
+                    next = (next + 1) % reqs.len();
+                    now += STEP_NS;
+                    let released = engine.release(lease, &info, now, WALL_MS);
+                    black_box(released.is_ok());
+                }
+                total += start.elapsed();
+                engine.expire_leases(now, WALL_MS);
+                left -= n;
+            }
+            total
+        })
+    });
+    g.finish();
+}
+
+fn shed_empty_bucket(c: &mut Criterion) {
+    let mut engine = engine(EMPTY_SUBJECT);
+    let req = request("agent-1", "search");
+    let mut now = STEP_NS;
+    // Spend the only token; from here on every call is refused by the subject bucket.
+    let _ = lease_of(engine.admit(&req, now, WALL_MS));
+    match engine.admit(&req, now + STEP_NS, WALL_MS) {
+        AdmitResult::Decided(d) => match d.verdict {
+            Verdict::Shed(s) => assert_eq!(s.scope.as_str(), "subject"),
+            Verdict::Admitted(_) => panic!("expected a shed on the empty subject bucket"),
+        },
+        AdmitResult::Queued { .. } => panic!("expected a shed, got a queued call"),
+    }
+    let mut g = c.benchmark_group("engine");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("shed_empty_bucket", |b| {
+        b.iter(|| {
+            now += STEP_NS;
+            black_box(engine.admit(&req, now, WALL_MS))
+        })
+    });
+    g.finish();
+}
+
+fn admit_tool_and_upstream(c: &mut Criterion) {
+    let mut engine = engine(TOOL_AND_UPSTREAM);
+    let reqs: Vec<AdmitRequest> = (0..1_000)
+        .map(|i| request(&format!("agent-{i}"), "get_sales"))
+        .collect();
+    let mut now = 0u64;
+    let mut g = c.benchmark_group("engine");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("admit_tool_and_upstream", |b| {
+        b.iter_custom(|iters| time_admissions(&mut engine, &reqs, &mut now, iters))
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    admit_hot_subject,
+    admit_release_10k_subjects,
+    shed_empty_bucket,
+    admit_tool_and_upstream
+);
+criterion_main!(benches);

@@ -1,0 +1,246 @@
+#!/usr/bin/env bash
+# Measures admitd against the floor (a bare warp server that parses the same JSON and answers without
+# any admission logic) on one machine, and admitd's memory per idle subject. See docs/BENCHMARKS.md.
+#
+# Layout on a 2-core machine: the server under test (admitd or the floor, each in its own process) runs
+# on core 0, the load generator on core 1, so the client never steals the server's CPU.
+#
+#   scripts/bench.sh              # build, run everything (about 2 minutes after the build)
+#   DURATION=5 scripts/bench.sh   # shorter runs
+#
+# Environment (defaults in brackets): DURATION [10] and WARMUP [2] seconds per run; OPEN_RATE [20000]
+# requests/s for the open-loop runs; SERVER_CPU [0] and CLIENT_CPU [1] cores; PORT [19470],
+# FLOOR_PORT [19471], RSS_PORT [19472]; OUT [target/bench] for results; SKIP_BUILD=1 to use what is
+# built; SKIP_RSS=1 to skip the memory measurement.
+#
+# Output: a Markdown table on stdout and in $OUT/results.md, one JSON line per run in
+# $OUT/results.jsonl, admitd's log in $OUT/admitd.log.
+
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-10}
+WARMUP=${WARMUP:-2}
+OPEN_RATE=${OPEN_RATE:-20000}
+SERVER_CPU=${SERVER_CPU:-0}
+CLIENT_CPU=${CLIENT_CPU:-1}
+PORT=${PORT:-19470}
+FLOOR_PORT=${FLOOR_PORT:-19471}
+RSS_PORT=${RSS_PORT:-19472}
+OUT=${OUT:-target/bench}
+CLK_TCK=$(getconf CLK_TCK 2>/dev/null || echo 100)
+
+for tool in taskset curl jq; do
+    command -v "$tool" >/dev/null || { echo "bench.sh: $tool is required" >&2; exit 1; }
+done
+
+mkdir -p "$OUT"
+work=$(mktemp -d)
+started=()
+
+stop() { # stop one process this script started, by pid
+    local pid=$1
+    kill "$pid" 2>/dev/null || return 0
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+}
+cleanup() {
+    for pid in "${started[@]}"; do stop "$pid"; done
+    rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# ---- build ----------------------------------------------------------------------------------------
+
+if [[ -z ${SKIP_BUILD:-} ]]; then
+    cargo build --release
+    cargo bench --bench loadgen --no-run
+fi
+LOADGEN=$(cargo bench --bench loadgen --no-run --message-format=json 2>/dev/null |
+    jq -r 'select(.reason == "compiler-artifact" and .target.name == "loadgen") | .executable // empty' |
+    tail -n 1 || true)
+if [[ -z $LOADGEN || ! -x $LOADGEN ]]; then
+    LOADGEN=$(ls -t target/release/deps/loadgen-* 2>/dev/null | grep -v '\.d$' | head -n 1 || true)
+fi
+[[ -n $LOADGEN && -x $LOADGEN ]] || { echo "bench.sh: cannot find the loadgen binary" >&2; exit 1; }
+ADMITD=target/release/admitd
+
+# ---- configs --------------------------------------------------------------------------------------
+
+# Limits so generous that nothing is shed: the runs measure the cost of deciding, not of refusing.
+cat >"$work/throughput.toml" <<'EOF'
+[server]
+lease_ttl = "10s"
+
+[limits.subject]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.tenant]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.global]
+rate = "10000000/s"
+burst = 10000000
+EOF
+
+# A subject bucket that refills one token per hour, so a subject that made one call keeps state for an
+# hour (a full bucket is resting state and may be dropped); tenants stay alive as long.
+cat >"$work/rss.toml" <<'EOF'
+[server]
+lease_ttl = "10s"
+idle_ttl = "1h"
+
+[limits.subject]
+rate = "1/h"
+burst = 100
+concurrency = 1000000
+
+[limits.tenant]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.global]
+rate = "10000000/s"
+burst = 10000000
+EOF
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+wait_http() { # wait_http URL [curl args...]: until the server answers at all (5 s at most)
+    local url=$1; shift
+    for _ in $(seq 50); do
+        curl -s -o /dev/null --max-time 1 "$@" "$url" && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+start_admitd() { # start_admitd PORT CONFIG: starts admitd on the server core; sets $admitd_pid
+    taskset -c "$SERVER_CPU" "$ADMITD" serve --listen "127.0.0.1:$1" --config "$2" >>"$OUT/admitd.log" 2>&1 &
+    admitd_pid=$!
+    started+=("$admitd_pid")
+    if ! wait_http "http://127.0.0.1:$1/healthz"; then
+        stop "$admitd_pid"
+        return 1
+    fi
+    # It must also admit: a daemon that answers /healthz but not /v1/admit is not ready to measure.
+    local code
+    code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 -H 'Content-Type: application/json' \
+        -d '{"tenant":"t0","subject":"probe","tool":"tool0","cost":1}' "http://127.0.0.1:$1/v1/admit" || true)
+    if [[ $code != 200 ]]; then
+        echo "bench.sh: admitd answered $code to a probe admission" >&2
+        stop "$admitd_pid"
+        return 1
+    fi
+}
+
+rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
+
+load() { # load LABEL PORT PID [loadgen args...]: one measured run, appended to results.jsonl
+    local label=$1 port=$2 pid=$3; shift 3
+    echo "== $label" >&2
+    taskset -c "$CLIENT_CPU" "$LOADGEN" --url "http://127.0.0.1:$port" --server-pid "$pid" \
+        --clk-tck "$CLK_TCK" --duration "$DURATION" --warmup "$WARMUP" --label "$label" --json "$@" \
+        >>"$OUT/results.jsonl" || echo "bench.sh: run \"$label\" failed" >&2
+}
+
+# ---- servers --------------------------------------------------------------------------------------
+
+: >"$OUT/results.jsonl"
+: >"$OUT/admitd.log"
+
+taskset -c "$SERVER_CPU" "$LOADGEN" --floor-only "$FLOOR_PORT" --lifetime 1800 >"$work/floor.log" 2>&1 &
+floor_pid=$!
+started+=("$floor_pid")
+wait_http "http://127.0.0.1:$FLOOR_PORT/floor" -H 'Content-Type: application/json' \
+    -d '{"tenant":"t0","subject":"s0","tool":"tool0"}' || { echo "bench.sh: the floor did not start" >&2; exit 1; }
+
+have_admitd=0
+if [[ -x $ADMITD ]] && start_admitd "$PORT" "$work/throughput.toml"; then
+    have_admitd=1
+else
+    echo "bench.sh: admitd is not built or does not serve; measuring the floor only" >&2
+fi
+
+# ---- throughput and latency -----------------------------------------------------------------------
+
+# Floor and admitd alternate, so slow drift of the machine affects both alike.
+pair() { # pair NAME [loadgen args...]: the same load on the floor, then on admitd
+    local name=$1; shift
+    load "floor $name" "$FLOOR_PORT" "$floor_pid" "$@"
+    if ((have_admitd)); then
+        load "admitd $name" "$PORT" "$admitd_pid" "$@"
+    fi
+}
+pair "closed c=8" --connections 8
+pair "closed c=64" --connections 64
+pair "admit-release c=64" --connections 64 --mode admit-release
+pair "open ${OPEN_RATE}/s c=64" --connections 64 --rate "$OPEN_RATE"
+
+if ((have_admitd)); then
+    stop "$admitd_pid"
+fi
+stop "$floor_pid"
+
+# ---- memory per idle subject ----------------------------------------------------------------------
+
+rss_line="memory per idle subject: not measured"
+if ((have_admitd)) && [[ -z ${SKIP_RSS:-} ]]; then
+    if start_admitd "$RSS_PORT" "$work/rss.toml"; then
+        populate() { # populate OFFSET COUNT: one admission (and its release) per new subject
+            taskset -c "$CLIENT_CPU" "$LOADGEN" --url "http://127.0.0.1:$RSS_PORT" --mode populate \
+                --tenants 10 --offset "$1" --count "$2" --connections 8 --duration 300 --json >"$work/populate.json"
+            jq -e '.errors == 0 and .other_status == 0 and .shed_429 == 0' "$work/populate.json" >/dev/null ||
+                echo "bench.sh: populate $1+$2 had failures: $(cat "$work/populate.json")" >&2
+        }
+        populate 0 100 # the 10 tenants exist from here on
+        sleep 1
+        base=$(rss_kib "$admitd_pid")
+        populate 100 10000
+        sleep 1
+        rss10k=$(rss_kib "$admitd_pid")
+        populate 10100 90000
+        sleep 1
+        rss100k=$(rss_kib "$admitd_pid")
+        held=$(curl -s --max-time 5 "http://127.0.0.1:$RSS_PORT/v1/tenants/t0" | jq '.subjects | length' 2>/dev/null || echo "?")
+        stop "$admitd_pid"
+        per10k=$(( (rss10k - base) * 1024 / 10000 ))
+        per100k=$(( (rss100k - base) * 1024 / 100000 ))
+        rss_line="memory per idle subject: RSS $base KiB with 100 subjects, $rss10k KiB with +10k, $rss100k KiB with +100k"
+        rss_line+=" -> $per10k B/subject (10k), $per100k B/subject (100k); tenant t0 holds $held subjects"
+        jq -nc --argjson base "$base" --argjson r10 "$rss10k" --argjson r100 "$rss100k" \
+            --argjson p10 "$per10k" --argjson p100 "$per100k" \
+            '{label: "rss", base_kib: $base, rss_10k_kib: $r10, rss_100k_kib: $r100,
+              bytes_per_subject_10k: $p10, bytes_per_subject_100k: $p100}' >>"$OUT/results.jsonl"
+    else
+        rss_line="memory per idle subject: admitd did not start with the memory config"
+    fi
+fi
+
+# ---- report ---------------------------------------------------------------------------------------
+
+{
+    echo "machine: $(nproc) cores, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1); server on core $SERVER_CPU, load generator on core $CLIENT_CPU; ${DURATION} s per run after ${WARMUP} s warm-up"
+    echo
+    echo "| run | req/s | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | server CPU µs/req | server CPU % | 2xx | 429 | other | errors |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    jq -r 'select(.label != "rss") | "| \(.label) | \(.rps) | \(.latency.p50_us) | \(.latency.p90_us) | \(.latency.p99_us) | \(.latency.p999_us) | \(.latency.max_us) | \(.server_cpu_us_per_req // "-") | \(.server_cpu_pct // "-") | \(.ok_2xx) | \(.shed_429) | \(.other_status) | \(.errors) |"' "$OUT/results.jsonl"
+    echo
+    if ((have_admitd)); then
+        jq -rs '
+            def rps(l): (map(select(.label == l)) | first | .rps) // null;
+            ["closed c=8", "closed c=64", "admit-release c=64"][] as $k
+            | (rps("admitd " + $k)) as $a | (rps("floor " + $k)) as $f
+            | select($a != null and $f != null and $f > 0)
+            | "admitd / floor throughput, \($k): \(($a / $f * 100 | round) / 100)"' "$OUT/results.jsonl"
+    else
+        echo "admitd / floor throughput: TBD (admitd not measured)"
+    fi
+    echo "$rss_line"
+} | tee "$OUT/results.md"
