@@ -4,7 +4,9 @@
 //! `server.workers` arbiters (default: one per core). Every arbiter is a single-threaded runtime that both
 //! hosts a share of the tenant actors and serves HTTP on the same listening socket. A request whose tenant
 //! lives on the arbiter that accepted its connection reaches the actor without crossing threads; with one
-//! worker nothing ever does. docs/BENCHMARKS.md measures this against the alternatives.
+//! worker nothing ever does. Each worker also flushes its batch of telemetry events every 10 ms. The
+//! telemetry actors get an arbiter of their own. docs/BENCHMARKS.md measures this layout against the
+//! alternatives.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

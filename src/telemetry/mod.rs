@@ -1,10 +1,12 @@
 //! Telemetry: decision events out of the hot path, into metrics, spans, the refusal log and alerts.
 //!
 //! The HTTP layer and the tenant actors describe what happened as events and hand them to
-//! [`Telemetry`], which offers each event to every telemetry actor's bounded mailbox with `try_send`. A
-//! full mailbox drops the event and counts the drop (`admitd_telemetry_events_dropped_total`); admission
-//! never waits for telemetry. The actors ([`metrics::MetricsActor`], [`spans::SpanActor`],
-//! [`alerts::AlertActor`]) run on an arbiter of their own, away from the workers.
+//! [`Telemetry`]. On the workers, events are collected in a thread-local batch and handed over every
+//! 256 events or 10 ms, whichever comes first; elsewhere one at a time. A batch is offered to every
+//! telemetry actor's bounded mailbox with `try_send`: a full mailbox drops it and counts the events
+//! dropped (`admitd_telemetry_events_dropped_total`), so admission never waits for telemetry. The
+//! actors ([`metrics::MetricsActor`], [`spans::SpanActor`], [`alerts::AlertActor`]) run on an arbiter of
+//! their own, away from the workers. `[telemetry] enabled = false` starts none of this.
 
 pub mod alerts;
 pub mod labels;
