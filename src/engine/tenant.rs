@@ -716,20 +716,12 @@ impl TenantEngine {
     }
 
     fn subject_mut(&mut self, subject: &Arc<str>) -> &mut SubjectState {
-        // `entry` would need an owned key on every lookup; most lookups hit.
-        if !self.subjects.contains_key(subject) {
-            self.subjects
-                .insert(subject.clone(), SubjectState::default());
-        }
-        self.subjects.get_mut(subject).expect("inserted above")
+        // The key is an `Arc`, so the owned key `entry` needs is a reference-count increment.
+        self.subjects.entry(subject.clone()).or_default()
     }
 
     fn upstream_mut(&mut self, name: &Arc<str>) -> &mut UpstreamState {
-        if !self.upstreams.contains_key(name) {
-            self.upstreams
-                .insert(name.clone(), UpstreamState::default());
-        }
-        self.upstreams.get_mut(name).expect("inserted above")
+        self.upstreams.entry(name.clone()).or_default()
     }
 
     // ---- admission ----
