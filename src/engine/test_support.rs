@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use super::*;
-use crate::clock::{ceil_ms, NS_PER_MS, NS_PER_SEC};
+use std::time::Duration;
+
+use crate::clock::{ceil_ms, Clock, FakeClock, Nanos, NS_PER_MS, NS_PER_SEC};
 
 pub const MS: u64 = NS_PER_MS;
 pub const SEC: u64 = NS_PER_SEC;
@@ -76,4 +78,40 @@ pub fn admitted_now(d: &Decision) -> u64 {
 pub fn hint_window(wait_ns: u64) -> std::ops::RangeInclusive<u64> {
     let jitter_max = (wait_ns / 20).min(100 * MS);
     ceil_ms(wait_ns).max(1)..=ceil_ms(wait_ns + jitter_max).max(1)
+}
+
+/// Clock and admission helpers for a test harness that owns a [`FakeClock`].
+pub trait Clocked {
+    fn clock(&self) -> &FakeClock;
+
+    fn now(&self) -> Nanos {
+        self.clock().mono()
+    }
+
+    fn wall(&self) -> i64 {
+        self.clock().wall_ms()
+    }
+
+    fn advance_ms(&self, ms: u64) {
+        self.clock().advance_ms(ms);
+    }
+
+    /// Moves both clocks forward to the monotonic instant `at`.
+    fn advance_to(&self, at: Nanos) {
+        let now = self.now();
+        assert!(at >= now, "the fake clock only moves forward");
+        self.clock().advance(Duration::from_nanos(at - now));
+    }
+
+    fn admit(&self, e: &mut TenantEngine, r: &AdmitRequest) -> AdmitResult {
+        e.admit(r, self.now(), self.wall())
+    }
+
+    /// Admits and expects a decision (not a place in the queue).
+    fn decide(&self, e: &mut TenantEngine, r: &AdmitRequest) -> Decision {
+        match self.admit(e, r) {
+            AdmitResult::Decided(d) => d,
+            q => panic!("expected a decision, got {q:?}"),
+        }
+    }
 }

@@ -13,7 +13,7 @@ use super::retry_after::parse_retry_after;
 use super::tenant::BucketSnapshot;
 use super::test_support::*;
 use super::*;
-use crate::clock::{Clock, FakeClock, Nanos};
+use crate::clock::{FakeClock, Nanos};
 use crate::config::{Config, Mode};
 
 /// 2026-10-21T23:59:59.000Z.
@@ -52,37 +52,6 @@ impl Rig {
             self.shared.clone(),
             0x5eed ^ tenant.len() as u64,
         )
-    }
-
-    fn now(&self) -> Nanos {
-        self.clock.mono()
-    }
-
-    fn wall(&self) -> i64 {
-        self.clock.wall_ms()
-    }
-
-    fn advance_ms(&self, ms: u64) {
-        self.clock.advance_ms(ms);
-    }
-
-    /// Moves both clocks forward to the monotonic instant `at`.
-    fn advance_to(&self, at: Nanos) {
-        let now = self.now();
-        assert!(at >= now, "the fake clock only moves forward");
-        self.clock.advance(Duration::from_nanos(at - now));
-    }
-
-    fn admit(&self, e: &mut TenantEngine, r: &AdmitRequest) -> AdmitResult {
-        e.admit(r, self.now(), self.wall())
-    }
-
-    /// Admits and expects a decision (not a place in the queue).
-    fn decide(&self, e: &mut TenantEngine, r: &AdmitRequest) -> Decision {
-        match self.admit(e, r) {
-            AdmitResult::Decided(d) => d,
-            q => panic!("expected a decision, got {q:?}"),
-        }
     }
 
     /// Admits and expects a place in the queue: (waiter id, deadline).
@@ -125,6 +94,12 @@ impl Rig {
             &bucket::Gcra::new(self.cfg.limits.global.bucket),
             self.now(),
         )
+    }
+}
+
+impl Clocked for Rig {
+    fn clock(&self) -> &FakeClock {
+        &self.clock
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::tenant::{TenantSnapshot, UpstreamSnapshot};
 use super::test_support::*;
 use super::*;
-use crate::clock::{Clock, FakeClock, Nanos};
+use crate::clock::FakeClock;
 use crate::config::Config;
 
 /// Limits so high that only the upstream layers under test can refuse a call.
@@ -75,35 +75,6 @@ impl Sim {
         )
     }
 
-    fn now(&self) -> Nanos {
-        self.clock.mono()
-    }
-
-    fn wall(&self) -> i64 {
-        self.clock.wall_ms()
-    }
-
-    fn advance_ms(&self, ms: u64) {
-        self.clock.advance_ms(ms);
-    }
-
-    fn advance_to(&self, at: Nanos) {
-        let now = self.now();
-        assert!(at >= now, "the fake clock only moves forward");
-        self.clock.advance(Duration::from_nanos(at - now));
-    }
-
-    fn admit(&self, e: &mut TenantEngine, r: &AdmitRequest) -> AdmitResult {
-        e.admit(r, self.now(), self.wall())
-    }
-
-    fn decide(&self, e: &mut TenantEngine, r: &AdmitRequest) -> Decision {
-        match self.admit(e, r) {
-            AdmitResult::Decided(d) => d,
-            q => panic!("expected a decision, got {q:?}"),
-        }
-    }
-
     fn queue(&self, e: &mut TenantEngine, r: &AdmitRequest) -> u64 {
         match self.admit(e, r) {
             AdmitResult::Queued { waiter, .. } => waiter,
@@ -148,6 +119,12 @@ impl Sim {
     /// The tenant's view of `upstream`.
     fn upstream(&self, e: &TenantEngine, upstream: &str) -> UpstreamSnapshot {
         up_view(&self.snap(e), upstream)
+    }
+}
+
+impl Clocked for Sim {
+    fn clock(&self) -> &FakeClock {
+        &self.clock
     }
 }
 
