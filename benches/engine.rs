@@ -30,14 +30,8 @@ const BATCH: u64 = 1_000;
 /// The server's default `max_wait`, as the HTTP layer would pass it.
 const MAX_WAIT_NS: u64 = 2_000_000_000;
 
-/// Limits high enough that nothing is refused: 10 M tokens per second on every layer and room for a
-/// full batch of calls in flight.
-const OPEN: &str = r#"
-[limits.subject]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
+/// Tenant and global limits high enough that they never refuse.
+const ROOMY_TENANT_AND_GLOBAL: &str = r#"
 [limits.tenant]
 rate = "10000000/s"
 burst = 10000000
@@ -46,6 +40,14 @@ concurrency = 1000000
 [limits.global]
 rate = "10000000/s"
 burst = 10000000
+"#;
+
+/// A subject bucket that never refuses either: with [`ROOMY_TENANT_AND_GLOBAL`], nothing is refused.
+const ROOMY_SUBJECT: &str = r#"
+[limits.subject]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
 "#;
 
 /// The subject bucket holds one token and refills once an hour: after the first call, every call is shed
@@ -55,34 +57,11 @@ const EMPTY_SUBJECT: &str = r#"
 rate = "1/h"
 burst = 1
 concurrency = 1000000
-
-[limits.tenant]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.global]
-rate = "10000000/s"
-burst = 10000000
 "#;
 
-/// [`OPEN`] plus a tool with its own per-subject bucket and a per-tenant upstream budget, so an admitted
-/// call passes all five bucket layers.
+/// A tool with its own per-subject bucket and a per-tenant upstream budget, so an admitted call passes
+/// all five bucket layers.
 const TOOL_AND_UPSTREAM: &str = r#"
-[limits.subject]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.tenant]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.global]
-rate = "10000000/s"
-burst = 10000000
-
 [tools.get_sales]
 cost = 2
 upstream = "warehouse"
@@ -93,6 +72,15 @@ burst = 10000000
 rate = "10000000/s"
 burst = 10000000
 "#;
+
+/// A config made of the given sections plus the roomy tenant and global limits.
+fn config(sections: &[&str]) -> String {
+    let mut text = ROOMY_TENANT_AND_GLOBAL.to_string();
+    for s in sections {
+        text.push_str(s);
+    }
+    text
+}
 
 fn engine(toml: &str) -> TenantEngine {
     let cfg = match Config::parse("bench", toml) {
@@ -166,7 +154,7 @@ fn time_admissions(
 }
 
 fn admit_hot_subject(c: &mut Criterion) {
-    let mut engine = engine(OPEN);
+    let mut engine = engine(&config(&[ROOMY_SUBJECT]));
     let reqs = [request("agent-1", "search")];
     let mut now = 0u64;
     let mut g = c.benchmark_group("engine");
@@ -178,7 +166,7 @@ fn admit_hot_subject(c: &mut Criterion) {
 }
 
 fn admit_release_10k_subjects(c: &mut Criterion) {
-    let mut engine = engine(OPEN);
+    let mut engine = engine(&config(&[ROOMY_SUBJECT]));
     let reqs: Vec<AdmitRequest> = (0..10_000)
         .map(|i| request(&format!("agent-{i}"), &format!("tool{}", i % 8)))
         .collect();
@@ -213,7 +201,7 @@ fn admit_release_10k_subjects(c: &mut Criterion) {
 }
 
 fn shed_empty_bucket(c: &mut Criterion) {
-    let mut engine = engine(EMPTY_SUBJECT);
+    let mut engine = engine(&config(&[EMPTY_SUBJECT]));
     let req = request("agent-1", "search");
     let mut now = STEP_NS;
     // Spend the only token; from here on every call is refused by the subject bucket.
@@ -237,7 +225,7 @@ fn shed_empty_bucket(c: &mut Criterion) {
 }
 
 fn admit_tool_and_upstream(c: &mut Criterion) {
-    let mut engine = engine(TOOL_AND_UPSTREAM);
+    let mut engine = engine(&config(&[ROOMY_SUBJECT, TOOL_AND_UPSTREAM]));
     let reqs: Vec<AdmitRequest> = (0..1_000)
         .map(|i| request(&format!("agent-{i}"), "get_sales"))
         .collect();

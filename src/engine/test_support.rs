@@ -6,6 +6,7 @@ use super::*;
 use std::time::Duration;
 
 use crate::clock::{ceil_ms, Clock, FakeClock, Nanos, NS_PER_MS, NS_PER_SEC};
+use crate::config::Config;
 
 pub const MS: u64 = NS_PER_MS;
 pub const SEC: u64 = NS_PER_SEC;
@@ -78,6 +79,19 @@ pub fn admitted_now(d: &Decision) -> u64 {
 pub fn hint_window(wait_ns: u64) -> std::ops::RangeInclusive<u64> {
     let jitter_max = (wait_ns / 20).min(100 * MS);
     ceil_ms(wait_ns).max(1)..=ceil_ms(wait_ns + jitter_max).max(1)
+}
+
+/// What every fake-clock harness starts from: the parsed config, its cross-tenant budgets, and a fake
+/// clock whose wall clock reads `wall_ms` and whose monotonic clock reads [`START_MS`].
+pub fn harness(toml: &str, wall_ms: i64) -> (FakeClock, Arc<Config>, Arc<SharedBudgets>) {
+    let cfg = Arc::new(
+        Config::parse("test.toml", toml)
+            .unwrap_or_else(|e| panic!("test config does not parse: {e}")),
+    );
+    let clock = FakeClock::new(wall_ms - START_MS as i64);
+    clock.advance_ms(START_MS);
+    let shared = Arc::new(SharedBudgets::new(&cfg));
+    (clock, cfg, shared)
 }
 
 /// Clock and admission helpers for a test harness that owns a [`FakeClock`].

@@ -35,14 +35,8 @@ impl Rig {
 
     /// A rig whose wall clock reads `wall_ms` and whose monotonic clock reads `START_MS`.
     fn at(toml: &str, wall_ms: i64) -> Rig {
-        let cfg = Arc::new(cfg(toml));
-        let clock = FakeClock::new(wall_ms - START_MS as i64);
-        clock.advance_ms(START_MS);
-        Rig {
-            shared: Arc::new(SharedBudgets::new(&cfg)),
-            cfg,
-            clock,
-        }
+        let (clock, cfg, shared) = harness(toml, wall_ms);
+        Rig { clock, cfg, shared }
     }
 
     fn engine(&self, tenant: &str) -> TenantEngine {

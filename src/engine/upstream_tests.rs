@@ -50,17 +50,8 @@ struct Sim {
 
 impl Sim {
     fn new(toml: &str) -> Sim {
-        let cfg = Arc::new(
-            Config::parse("t.toml", toml)
-                .unwrap_or_else(|e| panic!("test config does not parse: {e}")),
-        );
-        let clock = FakeClock::new(NOON - START_MS as i64);
-        clock.advance_ms(START_MS);
-        Sim {
-            shared: Arc::new(SharedBudgets::new(&cfg)),
-            cfg,
-            clock,
-        }
+        let (clock, cfg, shared) = harness(toml, NOON);
+        Sim { clock, cfg, shared }
     }
 
     fn engine(&self, tenant: &str) -> TenantEngine {
