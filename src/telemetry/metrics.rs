@@ -14,9 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use metrics::{counter, gauge, histogram, Counter, Histogram};
+use metrics::{counter, gauge, Counter};
 use metrics_exporter_prometheus::PrometheusHandle;
 
+use super::histogram::{Histogram, Histograms};
 use super::labels::LabelCap;
 use super::names::*;
 use super::{hash_identity, Batch, DecisionEvent, DecisionKind, Event, TenantEvent};
@@ -58,6 +59,30 @@ type AdmissionKey = (
     Option<Scope>,
 );
 
+/// A decision's label values as the caller sent them (before capping), with its outcome: the key
+/// of the per-decision cache, so that a decision seen before costs one lookup.
+type RawKey = (
+    Arc<str>,
+    Arc<str>,
+    Arc<str>,
+    Option<Arc<str>>,
+    DecisionKind,
+    Option<Scope>,
+);
+
+/// Everything a decision with a given [`RawKey`] records into.
+#[derive(Clone)]
+struct DecisionSeries {
+    admissions: Counter,
+    /// Admission wait, for admitted (and shadow-shed) calls.
+    wait: Option<Arc<Histogram>>,
+    /// Retry-After handed out, for sheds.
+    retry: Option<Arc<Histogram>>,
+}
+
+/// The (capped) labels of a tool-duration series: tenant, tool, upstream.
+type ToolKey = (Arc<str>, Arc<str>, Arc<str>);
+
 /// A call's label values after capping.
 struct Labels {
     tenant: Arc<str>,
@@ -73,12 +98,17 @@ type Handles<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 const HANDLE_CACHE: usize = 100_000;
 
 pub struct MetricsActor {
+    /// By raw labels: the fast path. Misses go through the label caps and the caches by capped
+    /// labels below, so a flood of distinct names (all folded into `__other__`) still finds its
+    /// series without a registry lookup.
+    decisions: Handles<RawKey, DecisionSeries>,
     admissions: Handles<AdmissionKey, Counter>,
-    waits: Handles<(Arc<str>, Arc<str>), Histogram>,
-    retries: Handles<(Arc<str>, Scope), Histogram>,
-    decision_hist: Histogram,
-    /// Histograms keep raw samples until the exporter's upkeep folds them into buckets; without a
-    /// periodic upkeep they would grow with every admission between scrapes.
+    waits: Handles<(Arc<str>, Arc<str>), Arc<Histogram>>,
+    retries: Handles<(Arc<str>, Scope), Arc<Histogram>>,
+    tool_durations: Handles<ToolKey, Arc<Histogram>>,
+    decision_hist: Arc<Histogram>,
+    histograms: Arc<Histograms>,
+    /// Runs the exporter's periodic upkeep (it keeps no samples of ours, but idle-series bookkeeping).
     exporter: PrometheusHandle,
     caps: LabelCap,
     /// The label of calls without an upstream.
@@ -94,14 +124,22 @@ pub struct MetricsActor {
 }
 
 impl MetricsActor {
-    pub fn new(cfg: &TelemetryConfig, clock: Arc<dyn Clock>, exporter: PrometheusHandle) -> Self {
+    pub fn new(
+        cfg: &TelemetryConfig,
+        clock: Arc<dyn Clock>,
+        exporter: PrometheusHandle,
+        histograms: Arc<Histograms>,
+    ) -> Self {
         gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(0);
         MetricsActor {
+            decisions: Handles::default(),
             admissions: Handles::default(),
             waits: Handles::default(),
             retries: Handles::default(),
-            decision_hist: histogram!(DECISION_DURATION),
+            tool_durations: Handles::default(),
+            decision_hist: histograms.decision.series(&[]),
+            histograms,
             exporter,
             caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
             none: Arc::from(NO_UPSTREAM),
@@ -169,12 +207,12 @@ impl MetricsActor {
         c
     }
 
-    fn wait_hist(&mut self, labels: &Labels) -> Histogram {
+    fn wait_hist(&mut self, labels: &Labels) -> Arc<Histogram> {
         let key = (labels.tenant.clone(), labels.tool.clone());
         if let Some(h) = self.waits.get(&key) {
             return h.clone();
         }
-        let h = histogram!(ADMISSION_WAIT, "tenant" => labels.tenant.to_string(), "tool" => labels.tool.to_string());
+        let h = self.histograms.wait.series(&[&labels.tenant, &labels.tool]);
         if self.waits.len() >= HANDLE_CACHE {
             self.waits.clear();
         }
@@ -182,12 +220,15 @@ impl MetricsActor {
         h
     }
 
-    fn retry_hist(&mut self, labels: &Labels, scope: Scope) -> Histogram {
+    fn retry_hist(&mut self, labels: &Labels, scope: Scope) -> Arc<Histogram> {
         let key = (labels.tenant.clone(), scope);
         if let Some(h) = self.retries.get(&key) {
             return h.clone();
         }
-        let h = histogram!(RETRY_AFTER, "tenant" => labels.tenant.to_string(), "scope" => scope.as_str());
+        let h = self
+            .histograms
+            .retry
+            .series(&[&labels.tenant, scope.as_str()]);
         if self.retries.len() >= HANDLE_CACHE {
             self.retries.clear();
         }
@@ -195,30 +236,72 @@ impl MetricsActor {
         h
     }
 
+    /// The series a decision records into: one lookup by the raw labels when seen before.
+    fn decision_series(&mut self, d: &DecisionEvent) -> DecisionSeries {
+        let key: RawKey = (
+            d.tenant.clone(),
+            d.subject.clone(),
+            d.tool.clone(),
+            d.upstream.clone(),
+            d.kind,
+            d.scope,
+        );
+        if let Some(s) = self.decisions.get(&key) {
+            return s.clone();
+        }
+        let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
+        let labels = Labels {
+            tenant,
+            subject,
+            tool,
+            upstream: self.upstream_label(&d.upstream),
+        };
+        let series = DecisionSeries {
+            admissions: self.admission_counter(d, &labels),
+            wait: (d.kind != DecisionKind::Shed).then(|| self.wait_hist(&labels)),
+            retry: match (d.kind, d.scope) {
+                (DecisionKind::Shed, Some(s)) => Some(self.retry_hist(&labels, s)),
+                _ => None,
+            },
+        };
+        if self.decisions.len() >= HANDLE_CACHE {
+            self.decisions.clear();
+        }
+        self.decisions.insert(key, series.clone());
+        series
+    }
+
+    fn tool_hist(
+        &mut self,
+        tenant: Arc<str>,
+        tool: Arc<str>,
+        upstream: Arc<str>,
+    ) -> Arc<Histogram> {
+        let key = (tenant, tool, upstream);
+        if let Some(h) = self.tool_durations.get(&key) {
+            return h.clone();
+        }
+        let h = self.histograms.tool.series(&[&key.0, &key.1, &key.2]);
+        if self.tool_durations.len() >= HANDLE_CACHE {
+            self.tool_durations.clear();
+        }
+        self.tool_durations.insert(key, h.clone());
+        h
+    }
+
     fn record(&mut self, ev: &Event) {
         match ev {
             Event::Decision(d) => {
                 let scope = d.scope.map_or("none", |s| s.as_str());
-                let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
-                let labels = Labels {
-                    tenant,
-                    subject,
-                    tool,
-                    upstream: self.upstream_label(&d.upstream),
-                };
-                self.admission_counter(d, &labels).increment(1);
+                let series = self.decision_series(d);
+                series.admissions.increment(1);
                 self.decision_hist
                     .record(d.decision_ns as f64 / NS_PER_SEC as f64);
-                match (d.kind, d.scope) {
-                    (DecisionKind::Admitted | DecisionKind::ShadowShed, _) => {
-                        self.wait_hist(&labels)
-                            .record(d.waited_ns as f64 / NS_PER_SEC as f64);
-                    }
-                    (DecisionKind::Shed, Some(s)) if d.retryable => {
-                        self.retry_hist(&labels, s)
-                            .record(d.retry_after_ms as f64 / 1000.0);
-                    }
-                    (DecisionKind::Shed, _) => {}
+                if let Some(h) = &series.wait {
+                    h.record(d.waited_ns as f64 / NS_PER_SEC as f64);
+                }
+                if let (Some(h), true) = (&series.retry, d.retryable) {
+                    h.record(d.retry_after_ms as f64 / 1000.0);
                 }
                 if d.kind != DecisionKind::Admitted {
                     if self.throttle.allow(self.clock.mono()) {
@@ -253,7 +336,7 @@ impl MetricsActor {
                         .increment(1);
                 }
                 if let Some(ms) = r.duration_ms {
-                    histogram!(TOOL_DURATION, "tenant" => tenant.to_string(), "tool" => tool.to_string(), "upstream" => upstream.to_string())
+                    self.tool_hist(tenant, tool, upstream)
                         .record(ms as f64 / 1000.0);
                 }
             }
@@ -341,6 +424,14 @@ impl MetricsActor {
         }
     }
 
+    fn reconfigure(&mut self, cfg: &TelemetryConfig) {
+        self.caps
+            .set_max_subjects(cfg.max_subjects_per_tenant, cfg.max_subjects_total);
+        // Names folded into `__other__` under the old caps may have room now.
+        self.decisions.clear();
+        self.throttle = LogThrottle::new(cfg.refusal_log_per_sec);
+    }
+
     fn tick(&mut self) {
         self.exporter.run_upkeep();
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(self.suppressed_total);
@@ -378,15 +469,103 @@ pub struct SetTelemetry(pub TelemetryConfig);
 impl Handler<SetTelemetry> for MetricsActor {
     type Result = ();
     fn handle(&mut self, msg: SetTelemetry, _: &mut Context<Self>) {
-        self.caps
-            .set_max_subjects(msg.0.max_subjects_per_tenant, msg.0.max_subjects_total);
-        self.throttle = LogThrottle::new(msg.0.refusal_log_per_sec);
+        self.reconfigure(&msg.0);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::FakeClock;
+    use crate::config::Config;
+
+    fn decision(tenant: &str, subject: &str, kind: DecisionKind) -> Event {
+        Event::Decision(Arc::new(DecisionEvent {
+            tenant: Arc::from(tenant),
+            subject: Arc::from(subject),
+            tool: Arc::from("search"),
+            upstream: None,
+            cost: 1.0,
+            kind,
+            scope: (kind == DecisionKind::Shed).then_some(Scope::Subject),
+            retryable: kind == DecisionKind::Shed,
+            waited_ns: 2_000_000,
+            retry_after_ms: 1500,
+            decision_ns: 30_000,
+            call_id: None,
+            traceparent: None,
+            lease_id: None,
+            start_unix_ns: 0,
+        }))
+    }
+
+    /// The value of one line of the text format, by its exact series name.
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn decisions_count_into_their_capped_series_and_a_reload_with_room_names_new_subjects() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let histograms = Arc::new(Histograms::default());
+        let mut cfg = Config::default().telemetry;
+        cfg.max_subjects_per_tenant = 1;
+        metrics::with_local_recorder(&recorder, || {
+            let clock = Arc::new(FakeClock::new(0));
+            let mut m = MetricsActor::new(&cfg, clock, handle.clone(), histograms.clone());
+            for ev in [
+                decision("acme", "alice", DecisionKind::Admitted),
+                decision("acme", "alice", DecisionKind::Admitted),
+                decision("acme", "bob", DecisionKind::Admitted),
+                decision("acme", "alice", DecisionKind::Shed),
+            ] {
+                m.record(&ev);
+            }
+            cfg.max_subjects_per_tenant = 2;
+            m.reconfigure(&cfg);
+            m.record(&decision("acme", "bob", DecisionKind::Admitted));
+        });
+        let mut text = handle.render();
+        histograms.render(&mut text);
+        let series = |subject: &str, decision: &str, scope: &str| {
+            format!(
+                "admitd_admissions_total{{tenant=\"acme\",subject=\"{subject}\",tool=\"search\",upstream=\"none\",decision=\"{decision}\",scope=\"{scope}\"}}"
+            )
+        };
+        assert_eq!(
+            value(&text, &series("alice", "admitted", "none")),
+            Some(2.0),
+            "{text}"
+        );
+        assert_eq!(
+            value(&text, &series("alice", "shed", "subject")),
+            Some(1.0),
+            "{text}"
+        );
+        // bob came past the cap of one subject, then got his name when the cap was raised
+        assert_eq!(
+            value(&text, &series("__other__", "admitted", "none")),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            value(&text, &series("bob", "admitted", "none")),
+            Some(1.0),
+            "{text}"
+        );
+        let wait =
+            "admitd_admission_wait_seconds_bucket{tenant=\"acme\",tool=\"search\",le=\"0.005\"}";
+        assert_eq!(value(&text, wait), Some(4.0), "{text}");
+        let retry = "admitd_retry_after_seconds_count{tenant=\"acme\",scope=\"subject\"}";
+        assert_eq!(value(&text, retry), Some(1.0), "{text}");
+        assert_eq!(
+            value(&text, "admitd_decision_duration_seconds_count"),
+            Some(5.0),
+            "{text}"
+        );
+    }
 
     #[test]
     fn the_log_throttle_allows_its_rate_and_no_more() {

@@ -9,6 +9,7 @@
 //! their own, away from the workers. `[telemetry] enabled = false` starts none of this.
 
 pub mod alerts;
+pub mod histogram;
 pub mod labels;
 pub mod metrics;
 pub mod names;
@@ -290,19 +291,11 @@ pub struct Started {
 /// Installs the Prometheus recorder and starts the telemetry actors on their own arbiter. Must run
 /// inside the actix system.
 pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-    let mut builder = PrometheusBuilder::new();
-    for (name, buckets) in [
-        (names::ADMISSION_WAIT, names::WAIT_BUCKETS),
-        (names::RETRY_AFTER, names::RETRY_AFTER_BUCKETS),
-        (names::DECISION_DURATION, names::DECISION_BUCKETS),
-        (names::TOOL_DURATION, names::TOOL_DURATION_BUCKETS),
-    ] {
-        builder = builder
-            .set_buckets_for_metric(Matcher::Full(name.to_string()), buckets)
-            .map_err(|e| format!("cannot set histogram buckets for {name}: {e}"))?;
-    }
-    let recorder = builder.build_recorder();
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    // Counters and gauges go through the exporter; histograms are admitd's own fixed-bucket ones
+    // (see `histogram`), rendered after the exporter's output.
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let histograms = Arc::new(histogram::Histograms::default());
     let handle = recorder.handle();
     ::metrics::set_global_recorder(recorder)
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
@@ -315,9 +308,14 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     let arbiter =
         Arbiter::try_new().map_err(|e| format!("cannot start the telemetry thread: {e}"))?;
     let h = arbiter.handle();
-    let (tcfg, mclock, mhandle) = (cfg.telemetry.clone(), clock.clone(), handle.clone());
+    let (tcfg, mclock, mhandle, mhist) = (
+        cfg.telemetry.clone(),
+        clock.clone(),
+        handle.clone(),
+        histograms.clone(),
+    );
     let metrics_addr = metrics::MetricsActor::start_in_arbiter(&h, move |_| {
-        metrics::MetricsActor::new(&tcfg, mclock, mhandle)
+        metrics::MetricsActor::new(&tcfg, mclock, mhandle, mhist)
     });
     let firing: alerts::FiringList = Arc::default();
     let (acfg, aclock, afiring) = (cfg.alerts.clone(), clock.clone(), firing.clone());
@@ -350,7 +348,12 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     let render_metrics = Arc::new(move || {
         ::metrics::counter!(names::EVENTS_DROPPED).absolute(dropped.load(Ordering::Relaxed));
         handle.run_upkeep();
-        handle.render()
+        let mut out = handle.render();
+        if !out.is_empty() && !out.ends_with("\n\n") {
+            out.push('\n');
+        }
+        histograms.render(&mut out);
+        out
     });
     let render_alerts = Arc::new(move || serde_json::json!({ "alerts": *firing.read() }));
     Ok(Started {

@@ -1,0 +1,250 @@
+//! Fixed-bucket histograms, rendered in the Prometheus text format next to the exporter's output.
+//!
+//! The Prometheus exporter keeps every histogram sample in a buffer until its periodic upkeep folds
+//! the samples into buckets; at tens of thousands of admissions a second that buffering and folding
+//! cost more CPU than the admission decision itself (docs/BENCHMARKS.md). The layouts here are fixed
+//! when a series is created, so recording a sample is a bucket search over a dozen bounds and three
+//! relaxed atomic adds, and memory per series is constant. Only the metrics actor records; `GET
+//! /metrics` reads the same atomics from the HTTP threads.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+/// One histogram series: a count per bucket (not cumulative; the last one is `+Inf`), and the sum.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    buckets: Box<[AtomicU64]>,
+    /// The sum of the samples, as `f64` bits.
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    /// Records one sample. Negative and NaN samples count in the first bucket and add nothing to
+    /// the sum (they do not occur: every sample is a duration).
+    pub fn record(&self, v: f64) {
+        // `le` semantics: a sample equal to a bound belongs to that bound's bucket.
+        let i = self.bounds.partition_point(|b| *b < v);
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        if v > 0.0 {
+            // Uncontended in practice (one recording thread); the loop keeps concurrent use correct.
+            let _ = self
+                .sum
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                    Some((f64::from_bits(bits) + v).to_bits())
+                });
+        }
+    }
+
+    /// Cumulative bucket counts (one per bound, then `+Inf`), and the sum.
+    pub fn snapshot(&self) -> (Vec<u64>, f64) {
+        let mut total = 0;
+        let cumulative = self
+            .buckets
+            .iter()
+            .map(|b| {
+                total += b.load(Ordering::Relaxed);
+                total
+            })
+            .collect();
+        (cumulative, f64::from_bits(self.sum.load(Ordering::Relaxed)))
+    }
+}
+
+/// A histogram metric: its name, label names, bucket layout and series by label values.
+#[derive(Debug)]
+pub struct Family {
+    name: &'static str,
+    labels: &'static [&'static str],
+    bounds: &'static [f64],
+    series: Mutex<BTreeMap<Vec<String>, Arc<Histogram>>>,
+}
+
+impl Family {
+    pub fn new(
+        name: &'static str,
+        labels: &'static [&'static str],
+        bounds: &'static [f64],
+    ) -> Self {
+        Family {
+            name,
+            labels,
+            bounds,
+            series: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The series with these label values (one per label name, in order), created on first use.
+    /// Callers keep the handle: this takes a lock and allocates the key.
+    pub fn series(&self, values: &[&str]) -> Arc<Histogram> {
+        debug_assert_eq!(values.len(), self.labels.len());
+        let key: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+        self.series
+            .lock()
+            .entry(key)
+            .or_insert_with(|| Arc::new(Histogram::new(self.bounds)))
+            .clone()
+    }
+
+    /// Appends the family in the Prometheus text format (nothing when it has no series yet).
+    pub fn render(&self, out: &mut String) {
+        let series: Vec<(Vec<String>, Arc<Histogram>)> = self
+            .series
+            .lock()
+            .iter()
+            .map(|(k, h)| (k.clone(), h.clone()))
+            .collect();
+        if series.is_empty() {
+            return;
+        }
+        let _ = writeln!(out, "# TYPE {} histogram", self.name);
+        for (values, h) in series {
+            let mut labels = String::new();
+            for (name, value) in self.labels.iter().zip(&values) {
+                let _ = write!(labels, "{name}=\"");
+                escape_label_value(value, &mut labels);
+                labels.push_str("\",");
+            }
+            let (cumulative, sum) = h.snapshot();
+            for (i, count) in cumulative.iter().enumerate() {
+                let le = match self.bounds.get(i) {
+                    Some(b) => format!("{b}"),
+                    None => "+Inf".to_string(),
+                };
+                let _ = writeln!(out, "{}_bucket{{{labels}le=\"{le}\"}} {count}", self.name);
+            }
+            let labels = labels.trim_end_matches(',');
+            let braces = if labels.is_empty() {
+                String::new()
+            } else {
+                format!("{{{labels}}}")
+            };
+            let count = cumulative.last().copied().unwrap_or(0);
+            let _ = writeln!(out, "{}_sum{braces} {sum}", self.name);
+            let _ = writeln!(out, "{}_count{braces} {count}", self.name);
+        }
+        out.push('\n');
+    }
+}
+
+/// admitd's histograms (names, labels and layouts in [`super::names`]).
+#[derive(Debug)]
+pub struct Histograms {
+    pub decision: Family,
+    pub wait: Family,
+    pub retry: Family,
+    pub tool: Family,
+}
+
+impl Default for Histograms {
+    fn default() -> Self {
+        use super::names::*;
+        let h = Histograms {
+            decision: Family::new(DECISION_DURATION, &[], DECISION_BUCKETS),
+            wait: Family::new(ADMISSION_WAIT, &["tenant", "tool"], WAIT_BUCKETS),
+            retry: Family::new(RETRY_AFTER, &["tenant", "scope"], RETRY_AFTER_BUCKETS),
+            tool: Family::new(
+                TOOL_DURATION,
+                &["tenant", "tool", "upstream"],
+                TOOL_DURATION_BUCKETS,
+            ),
+        };
+        // Present (at zero) from the start, like the daemon-wide counters.
+        h.decision.series(&[]);
+        h
+    }
+}
+
+impl Histograms {
+    /// Appends every family in the Prometheus text format.
+    pub fn render(&self, out: &mut String) {
+        for f in [&self.decision, &self.wait, &self.retry, &self.tool] {
+            f.render(out);
+        }
+    }
+}
+
+/// Label values in the text format escape `\`, `"` and newlines.
+fn escape_label_value(v: &str, out: &mut String) {
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUNDS: &[f64] = &[0.001, 0.01, 1.0];
+
+    #[test]
+    fn samples_land_in_the_first_bucket_whose_bound_they_do_not_exceed() {
+        let h = Histogram::new(BOUNDS);
+        for v in [0.0, 0.001, 0.0011, 0.5, 1.0, 7.0, 7.0] {
+            h.record(v);
+        }
+        let (cumulative, sum) = h.snapshot();
+        // le=0.001: 0 and 0.001; le=0.01: +0.0011; le=1: +0.5, 1.0; +Inf: +7, 7
+        assert_eq!(cumulative, vec![2, 3, 5, 7]);
+        assert!((sum - 15.5021).abs() < 1e-9, "sum {sum}");
+    }
+
+    #[test]
+    fn the_text_format_is_cumulative_with_sum_count_and_escaped_labels() {
+        let f = Family::new("x_seconds", &["tenant", "tool"], BOUNDS);
+        assert_eq!(
+            Arc::as_ptr(&f.series(&["a", "t"])),
+            Arc::as_ptr(&f.series(&["a", "t"])),
+            "one series per label set"
+        );
+        f.series(&["a", "t"]).record(0.005);
+        f.series(&["a", "t"]).record(2.0);
+        f.series(&["q\"\\\n", "t"]).record(0.0);
+        let mut out = String::new();
+        f.render(&mut out);
+        let expected = "# TYPE x_seconds histogram\n\
+            x_seconds_bucket{tenant=\"a\",tool=\"t\",le=\"0.001\"} 0\n\
+            x_seconds_bucket{tenant=\"a\",tool=\"t\",le=\"0.01\"} 1\n\
+            x_seconds_bucket{tenant=\"a\",tool=\"t\",le=\"1\"} 1\n\
+            x_seconds_bucket{tenant=\"a\",tool=\"t\",le=\"+Inf\"} 2\n\
+            x_seconds_sum{tenant=\"a\",tool=\"t\"} 2.005\n\
+            x_seconds_count{tenant=\"a\",tool=\"t\"} 2\n\
+            x_seconds_bucket{tenant=\"q\\\"\\\\\\n\",tool=\"t\",le=\"0.001\"} 1\n\
+            x_seconds_bucket{tenant=\"q\\\"\\\\\\n\",tool=\"t\",le=\"0.01\"} 1\n\
+            x_seconds_bucket{tenant=\"q\\\"\\\\\\n\",tool=\"t\",le=\"1\"} 1\n\
+            x_seconds_bucket{tenant=\"q\\\"\\\\\\n\",tool=\"t\",le=\"+Inf\"} 1\n\
+            x_seconds_sum{tenant=\"q\\\"\\\\\\n\",tool=\"t\"} 0\n\
+            x_seconds_count{tenant=\"q\\\"\\\\\\n\",tool=\"t\"} 1\n\n";
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn a_family_without_labels_renders_bare_sum_and_count_and_an_empty_one_renders_nothing() {
+        let f = Family::new("d_seconds", &[], BOUNDS);
+        let mut out = String::new();
+        f.render(&mut out);
+        assert_eq!(out, "");
+        f.series(&[]).record(0.01);
+        f.render(&mut out);
+        assert!(out.contains("d_seconds_bucket{le=\"0.01\"} 1\n"), "{out}");
+        assert!(out.contains("d_seconds_sum 0.01\n"), "{out}");
+        assert!(out.contains("d_seconds_count 1\n"), "{out}");
+    }
+}
