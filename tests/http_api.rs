@@ -628,3 +628,28 @@ fn telemetry_can_be_turned_off() {
     );
     assert_eq!(d.get("/v1/alerts").status, 404);
 }
+
+#[test]
+fn names_written_with_json_escapes_are_the_same_names() {
+    let d = Daemon::start_default();
+    let plain = d.admit(call("acme-prod", "bot/1", "get_sales"));
+    assert_eq!(plain.status, 200, "{:?}", plain.body);
+    // The same three names, spelled with escapes: they must spend from the same subject bucket.
+    let escaped = d.post_raw(
+        "/v1/admit",
+        "application/json",
+        br#"{"tenant":"acme\u002dprod","subject":"bot\/1","tool":"get\u005fsales","max_wait_ms":0}"#
+            .to_vec(),
+    );
+    assert_eq!(escaped.status, 200, "{:?}", escaped.body);
+    assert_eq!(
+        escaped.body["remaining"].as_u64(),
+        Some(plain.body["remaining"].as_u64().unwrap() - 1),
+        "{:?}",
+        escaped.body
+    );
+    let t = d.get("/v1/tenants/acme-prod");
+    assert_eq!(t.status, 200, "{:?}", t.body);
+    let lease = escaped.body["lease_id"].as_str().unwrap();
+    assert_eq!(d.release(lease).status, 200);
+}

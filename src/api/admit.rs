@@ -5,6 +5,7 @@
 //! guard returns the reservation or the queue place if the caller disconnects meanwhile (hyper drops the
 //! request future when its connection closes), so an abandoned call spends nothing.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -21,13 +22,18 @@ use crate::engine::refusal::whole_seconds;
 use crate::engine::{AdmitRequest, Decision, LayerState, Shed, Verdict};
 use crate::telemetry::{DecisionEvent, DecisionKind};
 
+/// Names borrow from the request body when they need no unescaping (the usual case), so the only
+/// copies made are the ones the tenant actor keeps.
 #[derive(Deserialize)]
-struct AdmitBody {
-    tenant: String,
-    subject: String,
-    tool: String,
-    #[serde(default)]
-    upstream: Option<String>,
+struct AdmitBody<'a> {
+    #[serde(borrow)]
+    tenant: Cow<'a, str>,
+    #[serde(borrow)]
+    subject: Cow<'a, str>,
+    #[serde(borrow)]
+    tool: Cow<'a, str>,
+    #[serde(default, borrow)]
+    upstream: Option<Cow<'a, str>>,
     #[serde(default)]
     cost: Option<f64>,
     #[serde(default)]
@@ -98,13 +104,13 @@ pub async fn admit(
     drop(cfg);
 
     let req = AdmitRequest {
-        subject: Arc::from(b.subject.as_str()),
-        tool: Arc::from(b.tool.as_str()),
+        subject: Arc::from(&*b.subject),
+        tool: Arc::from(&*b.tool),
         upstream: b.upstream.as_deref().map(Arc::from),
         cost: b.cost,
         max_wait_ns,
     };
-    let tenant = b.tenant.as_str();
+    let tenant = &*b.tenant;
     let mut guard = HoldGuard {
         shared,
         tenant,
@@ -164,6 +170,7 @@ pub async fn admit(
         headers,
         decision_ns,
         start_unix_ns,
+        shared.telemetry.traces(),
     );
     shared.telemetry.decision(event);
     Ok(response)
@@ -335,6 +342,7 @@ fn answer(
     headers: &HeaderMap,
     decision_ns: u64,
     start_unix_ns: u128,
+    traced: bool,
 ) -> (Response, DecisionEvent) {
     let tightest = d.tightest();
     let traceparent = headers
@@ -386,7 +394,9 @@ fn answer(
                     retry_after_ms: s.retry_after_ms,
                 }),
             };
-            event.lease_id = Some(lease_id.clone());
+            if traced {
+                event.lease_id = Some(lease_id.clone());
+            }
             json(StatusCode::OK, &body)
         }
         Verdict::Shed(s) => {

@@ -5,7 +5,7 @@
 
 use bytes::{Buf, BytesMut};
 use futures_util::{Stream, StreamExt};
-use serde::de::DeserializeOwned;
+use serde::Deserialize;
 use warp::http::{HeaderMap, StatusCode};
 
 use super::error::ApiError;
@@ -76,7 +76,7 @@ where
 }
 
 /// Parses a JSON body, naming the problem and where it is.
-pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
     if bytes.iter().all(|b| b.is_ascii_whitespace()) {
         return Err(ApiError::invalid(
             "the request body is empty; send a JSON object",

@@ -61,17 +61,53 @@ type AdmissionKey = (
 
 /// A decision's label values as the caller sent them (before capping), with its outcome: the key
 /// of the per-decision cache, so that a decision seen before costs one lookup.
-type RawKey = (
-    Arc<str>,
-    Arc<str>,
-    Arc<str>,
-    Option<Arc<str>>,
-    DecisionKind,
-    Option<Scope>,
-);
+#[derive(PartialEq, Eq, Hash)]
+struct RawKey {
+    tenant: Arc<str>,
+    subject: Arc<str>,
+    tool: Arc<str>,
+    upstream: Option<Arc<str>>,
+    kind: DecisionKind,
+    scope: Option<Scope>,
+}
+
+/// A [`RawKey`] borrowed from an event, to look it up without touching the event's reference
+/// counts. The fields hash exactly as the key's (an `Arc<str>` hashes as its `str`).
+#[derive(Hash)]
+struct RawRef<'a> {
+    tenant: &'a str,
+    subject: &'a str,
+    tool: &'a str,
+    upstream: Option<&'a str>,
+    kind: DecisionKind,
+    scope: Option<Scope>,
+}
+
+impl<'a> RawRef<'a> {
+    fn of(d: &'a DecisionEvent) -> Self {
+        RawRef {
+            tenant: &d.tenant,
+            subject: &d.subject,
+            tool: &d.tool,
+            upstream: d.upstream.as_deref(),
+            kind: d.kind,
+            scope: d.scope,
+        }
+    }
+}
+
+impl hashbrown::Equivalent<RawKey> for RawRef<'_> {
+    fn equivalent(&self, k: &RawKey) -> bool {
+        self.kind == k.kind
+            && self.scope == k.scope
+            && self.subject == &*k.subject
+            && self.tool == &*k.tool
+            && self.tenant == &*k.tenant
+            && self.upstream == k.upstream.as_deref()
+    }
+}
 
 /// Everything a decision with a given [`RawKey`] records into.
-#[derive(Clone)]
 struct DecisionSeries {
     admissions: Counter,
     /// Admission wait, for admitted (and shadow-shed) calls.
@@ -82,6 +118,18 @@ struct DecisionSeries {
 
 /// The (capped) labels of a tool-duration series: tenant, tool, upstream.
 type ToolKey = (Arc<str>, Arc<str>, Arc<str>);
+
+impl DecisionSeries {
+    fn record(&self, d: &DecisionEvent) {
+        self.admissions.increment(1);
+        if let Some(h) = &self.wait {
+            h.record(d.waited_ns as f64 / NS_PER_SEC as f64);
+        }
+        if let (Some(h), true) = (&self.retry, d.retryable) {
+            h.record(d.retry_after_ms as f64 / 1000.0);
+        }
+    }
+}
 
 /// A call's label values after capping.
 struct Labels {
@@ -101,7 +149,7 @@ pub struct MetricsActor {
     /// By raw labels: the fast path. Misses go through the label caps and the caches by capped
     /// labels below, so a flood of distinct names (all folded into `__other__`) still finds its
     /// series without a registry lookup.
-    decisions: Handles<RawKey, DecisionSeries>,
+    decisions: hashbrown::HashMap<RawKey, DecisionSeries, foldhash::fast::RandomState>,
     admissions: Handles<AdmissionKey, Counter>,
     waits: Handles<(Arc<str>, Arc<str>), Arc<Histogram>>,
     retries: Handles<(Arc<str>, Scope), Arc<Histogram>>,
@@ -133,7 +181,7 @@ impl MetricsActor {
         gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(0);
         MetricsActor {
-            decisions: Handles::default(),
+            decisions: hashbrown::HashMap::default(),
             admissions: Handles::default(),
             waits: Handles::default(),
             retries: Handles::default(),
@@ -236,19 +284,9 @@ impl MetricsActor {
         h
     }
 
-    /// The series a decision records into: one lookup by the raw labels when seen before.
-    fn decision_series(&mut self, d: &DecisionEvent) -> DecisionSeries {
-        let key: RawKey = (
-            d.tenant.clone(),
-            d.subject.clone(),
-            d.tool.clone(),
-            d.upstream.clone(),
-            d.kind,
-            d.scope,
-        );
-        if let Some(s) = self.decisions.get(&key) {
-            return s.clone();
-        }
+    /// The series a decision records into, through the label caps (the slow path: callers look in
+    /// `decisions` first), remembered under the decision's raw labels.
+    fn decision_series(&mut self, d: &DecisionEvent) -> &DecisionSeries {
         let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
         let labels = Labels {
             tenant,
@@ -267,8 +305,15 @@ impl MetricsActor {
         if self.decisions.len() >= HANDLE_CACHE {
             self.decisions.clear();
         }
-        self.decisions.insert(key, series.clone());
-        series
+        let key = RawKey {
+            tenant: d.tenant.clone(),
+            subject: d.subject.clone(),
+            tool: d.tool.clone(),
+            upstream: d.upstream.clone(),
+            kind: d.kind,
+            scope: d.scope,
+        };
+        self.decisions.entry(key).insert(series).into_mut()
     }
 
     fn tool_hist(
@@ -293,16 +338,12 @@ impl MetricsActor {
         match ev {
             Event::Decision(d) => {
                 let scope = d.scope.map_or("none", |s| s.as_str());
-                let series = self.decision_series(d);
-                series.admissions.increment(1);
+                match self.decisions.get(&RawRef::of(d)) {
+                    Some(series) => series.record(d),
+                    None => self.decision_series(d).record(d),
+                }
                 self.decision_hist
                     .record(d.decision_ns as f64 / NS_PER_SEC as f64);
-                if let Some(h) = &series.wait {
-                    h.record(d.waited_ns as f64 / NS_PER_SEC as f64);
-                }
-                if let (Some(h), true) = (&series.retry, d.retryable) {
-                    h.record(d.retry_after_ms as f64 / 1000.0);
-                }
                 if d.kind != DecisionKind::Admitted {
                     if self.throttle.allow(self.clock.mono()) {
                         tracing::info!(
@@ -480,7 +521,7 @@ mod tests {
     use crate::config::Config;
 
     fn decision(tenant: &str, subject: &str, kind: DecisionKind) -> Event {
-        Event::Decision(Arc::new(DecisionEvent {
+        Event::Decision(DecisionEvent {
             tenant: Arc::from(tenant),
             subject: Arc::from(subject),
             tool: Arc::from("search"),
@@ -496,7 +537,7 @@ mod tests {
             traceparent: None,
             lease_id: None,
             start_unix_ns: 0,
-        }))
+        })
     }
 
     /// The value of one line of the text format, by its exact series name.

@@ -126,10 +126,11 @@ pub enum TenantEvent {
     },
 }
 
-/// Everything a telemetry sink may receive.
+/// Everything a telemetry sink may receive. Decisions, one per admission, travel by value inside
+/// the shared batch (no allocation of their own); the rarer events are boxed behind an `Arc`.
 #[derive(Debug, Clone)]
 pub enum Event {
-    Decision(Arc<DecisionEvent>),
+    Decision(DecisionEvent),
     Release(Arc<ReleaseEvent>),
     Feedback(Arc<FeedbackEvent>),
     Tenant(Arc<TenantEvent>),
@@ -174,6 +175,7 @@ pub struct Telemetry {
     dropped: Arc<AtomicU64>,
     metrics: Option<Addr<metrics::MetricsActor>>,
     alerts: Option<Addr<alerts::AlertActor>>,
+    traces: bool,
 }
 
 impl Telemetry {
@@ -239,7 +241,7 @@ impl Telemetry {
 
     pub fn decision(&self, ev: DecisionEvent) {
         if !self.sinks.is_empty() {
-            self.offer(Event::Decision(Arc::new(ev)));
+            self.offer(Event::Decision(ev));
         }
     }
 
@@ -259,6 +261,12 @@ impl Telemetry {
         if !self.sinks.is_empty() {
             self.offer(Event::Tenant(Arc::new(ev)));
         }
+    }
+
+    /// Whether spans are exported (decision events then carry their lease id, to end the span at
+    /// release).
+    pub fn traces(&self) -> bool {
+        self.traces
     }
 
     /// Events dropped because a telemetry mailbox was full.
@@ -343,6 +351,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         dropped: Arc::new(AtomicU64::new(0)),
         metrics: Some(metrics_addr),
         alerts: Some(alerts_addr),
+        traces: tracer_provider.is_some(),
     };
     let dropped = telemetry.dropped.clone();
     let render_metrics = Arc::new(move || {

@@ -18,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use actix::prelude::*;
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _, TracerProvider as _};
-use opentelemetry::KeyValue;
+use opentelemetry::{KeyValue, StringValue, Value};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
@@ -34,6 +34,11 @@ use crate::config::OtlpConfig;
 
 /// Open spans kept at most (one per live lease); past this, admitted spans end at the decision.
 const MAX_OPEN: usize = 100_000;
+
+/// A span attribute that shares the event's string instead of copying it.
+fn shared(s: &Arc<str>) -> Value {
+    Value::String(StringValue::from(s.clone()))
+}
 
 /// Builds the tracer provider. Done on a plain thread: the blocking HTTP client must not be created or
 /// dropped on an async runtime's thread.
@@ -83,7 +88,7 @@ pub struct SpanActor {
     tracer: Tracer,
     clock: Arc<dyn Clock>,
     lease_ttl: Duration,
-    open: HashMap<String, (Span, Nanos)>,
+    open: std::collections::HashMap<String, (Span, Nanos), foldhash::fast::RandomState>,
     propagator: TraceContextPropagator,
 }
 
@@ -93,7 +98,7 @@ impl SpanActor {
             tracer: provider.tracer("admitd"),
             clock,
             lease_ttl,
-            open: HashMap::new(),
+            open: Default::default(),
             propagator: TraceContextPropagator::new(),
         }
     }
@@ -111,13 +116,13 @@ impl SpanActor {
         let decided = start + Duration::from_nanos(d.decision_ns);
         let mut attrs = vec![
             KeyValue::new("gen_ai.operation.name", "execute_tool"),
-            KeyValue::new("gen_ai.tool.name", d.tool.to_string()),
+            KeyValue::new("gen_ai.tool.name", shared(&d.tool)),
             KeyValue::new("mcp.method.name", "tools/call"),
-            KeyValue::new("admitd.tenant", d.tenant.to_string()),
+            KeyValue::new("admitd.tenant", shared(&d.tenant)),
             KeyValue::new("admitd.subject_hash", hash_identity(&d.subject)),
             KeyValue::new(
                 "admitd.upstream",
-                d.upstream.as_deref().unwrap_or("none").to_string(),
+                d.upstream.as_ref().map_or(Value::from("none"), shared),
             ),
             KeyValue::new("admitd.cost", d.cost),
             KeyValue::new("admitd.decision", d.kind.as_str()),
