@@ -5,13 +5,14 @@
 # Layout on a 2-core machine: the server under test (admitd or the floor, each in its own process) runs
 # on core 0, the load generator on core 1, so the client never steals the server's CPU.
 #
-#   scripts/bench.sh              # build, run everything (about 2 minutes after the build)
+#   scripts/bench.sh              # build, run everything (about 4 minutes after the build)
 #   DURATION=5 scripts/bench.sh   # shorter runs
 #
 # Environment (defaults in brackets): DURATION [10] and WARMUP [2] seconds per run; OPEN_RATE [20000]
 # requests/s for the open-loop runs; SERVER_CPU [0] and CLIENT_CPU [1] cores; PORT [19470],
 # FLOOR_PORT [19471], RSS_PORT [19472]; OUT [target/bench] for results; SKIP_BUILD=1 to use what is
-# built; SKIP_RSS=1 to skip the memory measurement.
+# built; SKIP_RSS=1 to skip the memory measurement; TELEMETRY_ROUNDS [3] rounds of telemetry off / on /
+# on with OTLP export to CLOSED_PORT [9], where nothing may listen (0 rounds skips them).
 #
 # Output: a Markdown table on stdout and in $OUT/results.md, one JSON line per run in
 # $OUT/results.jsonl, admitd's log in $OUT/admitd.log.
@@ -27,6 +28,8 @@ CLIENT_CPU=${CLIENT_CPU:-1}
 PORT=${PORT:-19470}
 FLOOR_PORT=${FLOOR_PORT:-19471}
 RSS_PORT=${RSS_PORT:-19472}
+CLOSED_PORT=${CLOSED_PORT:-9}
+TELEMETRY_ROUNDS=${TELEMETRY_ROUNDS:-3}
 OUT=${OUT:-target/bench}
 CLK_TCK=$(getconf CLK_TCK 2>/dev/null || echo 100)
 
@@ -87,6 +90,11 @@ concurrency = 1000000
 rate = "10000000/s"
 burst = 10000000
 EOF
+
+# The same limits with telemetry off, and with spans exported towards a port where nothing listens
+# (a collector that is down must not slow admissions).
+{ cat "$work/throughput.toml"; printf '\n[telemetry]\nenabled = false\n'; } >"$work/telemetry-off.toml"
+{ cat "$work/throughput.toml"; printf '\n[telemetry.otlp]\nendpoint = "http://127.0.0.1:%s/v1/traces"\n' "$CLOSED_PORT"; } >"$work/telemetry-otlp.toml"
 
 # A subject bucket that refills one token per hour, so a subject that made one call keeps state for an
 # hour (a full bucket is resting state and may be dropped); tenants stay alive as long.
@@ -188,6 +196,29 @@ if ((have_admitd)); then
 fi
 stop "$floor_pid"
 
+# ---- what telemetry costs -------------------------------------------------------------------------
+
+# Closed c=64 against admitd with telemetry off, on, and on with OTLP export to a closed port; the three
+# alternate for TELEMETRY_ROUNDS rounds, each round starting with the next one, so that the machine's
+# drift hits them alike.
+if ((have_admitd)) && ((TELEMETRY_ROUNDS > 0)); then
+    variants=(off on otlp)
+    for round in $(seq "$TELEMETRY_ROUNDS"); do
+        for i in 0 1 2; do
+            variant=${variants[$(((i + round - 1) % 3))]}
+            case $variant in
+                off) cfg=$work/telemetry-off.toml ;;
+                on) cfg=$work/throughput.toml ;;
+                otlp) cfg=$work/telemetry-otlp.toml ;;
+            esac
+            if start_admitd "$PORT" "$cfg"; then
+                load "telemetry $variant #$round" "$PORT" "$admitd_pid" --connections 64
+                stop "$admitd_pid"
+            fi
+        done
+    done
+fi
+
 # ---- memory per idle subject ----------------------------------------------------------------------
 
 rss_line="memory per idle subject: not measured"
@@ -242,5 +273,12 @@ fi
     else
         echo "admitd / floor throughput: TBD (admitd not measured)"
     fi
+    jq -rs '
+        def stats(v): [.[] | select(.label | startswith("telemetry " + v + " #")) | .rps] | sort
+            | select(length > 0) | {best: .[-1], median: .[(length / 2 | floor)]};
+        (stats("off")) as $off
+        | ["on", "otlp"][] as $v | (stats($v)) as $s
+        | select($off != null and $s != null)
+        | "telemetry \(if $v == "on" then "on" else "on + OTLP to a closed port" end) / off throughput: best \(($s.best / $off.best * 100 | round) / 100), median \(($s.median / $off.median * 100 | round) / 100)"' "$OUT/results.jsonl"
     echo "$rss_line"
 } | tee "$OUT/results.md"
