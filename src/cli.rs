@@ -24,7 +24,7 @@ pub enum Command {
         /// TOML config file (every key is described in docs/configuration.md).
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
-        /// Address to listen on; overrides [server] listen.
+        /// Address to listen on; overrides `listen` in the config's `[server]` section.
         #[arg(long, value_name = "ADDR")]
         listen: Option<SocketAddr>,
     },
