@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use metrics::{counter, gauge, Counter};
-use metrics_exporter_prometheus::PrometheusHandle;
 
 use super::histogram::{Histogram, Histograms};
 use super::labels::LabelCap;
@@ -159,8 +158,6 @@ pub struct MetricsActor {
     tool_durations: Handles<ToolKey, Arc<Histogram>>,
     decision_hist: Arc<Histogram>,
     histograms: Arc<Histograms>,
-    /// Runs the exporter's periodic upkeep (it keeps no samples of ours, but idle-series bookkeeping).
-    exporter: PrometheusHandle,
     caps: LabelCap,
     /// The label of calls without an upstream.
     none: Arc<str>,
@@ -175,12 +172,7 @@ pub struct MetricsActor {
 }
 
 impl MetricsActor {
-    pub fn new(
-        cfg: &TelemetryConfig,
-        clock: Arc<dyn Clock>,
-        exporter: PrometheusHandle,
-        histograms: Arc<Histograms>,
-    ) -> Self {
+    pub fn new(cfg: &TelemetryConfig, clock: Arc<dyn Clock>, histograms: Arc<Histograms>) -> Self {
         gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(0);
         MetricsActor {
@@ -191,7 +183,6 @@ impl MetricsActor {
             tool_durations: Handles::default(),
             decision_hist: histograms.decision.series(&[]),
             histograms,
-            exporter,
             caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
             none: Arc::from(NO_UPSTREAM),
             clock,
@@ -477,7 +468,6 @@ impl MetricsActor {
     }
 
     fn tick(&mut self) {
-        self.exporter.run_upkeep();
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(self.suppressed_total);
         if self.suppressed_recent > 0 {
             tracing::info!(target: "admitd::refusal", suppressed = self.suppressed_recent, "refusal log lines suppressed in the last second (rate limited)");
@@ -558,7 +548,7 @@ mod tests {
         cfg.max_subjects_per_tenant = 1;
         metrics::with_local_recorder(&recorder, || {
             let clock = Arc::new(FakeClock::new(0));
-            let mut m = MetricsActor::new(&cfg, clock, handle.clone(), histograms.clone());
+            let mut m = MetricsActor::new(&cfg, clock, histograms.clone());
             for ev in [
                 decision("acme", "alice", DecisionKind::Admitted),
                 decision("acme", "alice", DecisionKind::Admitted),

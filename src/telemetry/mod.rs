@@ -316,14 +316,9 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     let arbiter =
         Arbiter::try_new().map_err(|e| format!("cannot start the telemetry thread: {e}"))?;
     let h = arbiter.handle();
-    let (tcfg, mclock, mhandle, mhist) = (
-        cfg.telemetry.clone(),
-        clock.clone(),
-        handle.clone(),
-        histograms.clone(),
-    );
+    let (tcfg, mclock, mhist) = (cfg.telemetry.clone(), clock.clone(), histograms.clone());
     let metrics_addr = metrics::MetricsActor::start_in_arbiter(&h, move |_| {
-        metrics::MetricsActor::new(&tcfg, mclock, mhandle, mhist)
+        metrics::MetricsActor::new(&tcfg, mclock, mhist)
     });
     let firing: alerts::FiringList = Arc::default();
     let (acfg, aclock, afiring) = (cfg.alerts.clone(), clock.clone(), firing.clone());
