@@ -71,8 +71,18 @@ ADMITD=target/release/admitd
 
 # ---- configs --------------------------------------------------------------------------------------
 
+# Tenant and global limits so generous that they never shed, shared by every config below.
+generous_tenant_and_global='[limits.tenant]
+rate = "10000000/s"
+burst = 10000000
+concurrency = 1000000
+
+[limits.global]
+rate = "10000000/s"
+burst = 10000000'
+
 # Limits so generous that nothing is shed: the runs measure the cost of deciding, not of refusing.
-cat >"$work/throughput.toml" <<'EOF'
+cat >"$work/throughput.toml" <<EOF
 [server]
 lease_ttl = "10s"
 
@@ -81,14 +91,7 @@ rate = "10000000/s"
 burst = 10000000
 concurrency = 1000000
 
-[limits.tenant]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.global]
-rate = "10000000/s"
-burst = 10000000
+$generous_tenant_and_global
 EOF
 
 # The same limits with telemetry off, and with spans exported towards a port where nothing listens
@@ -98,7 +101,7 @@ EOF
 
 # A subject bucket that refills one token per hour, so a subject that made one call keeps state for an
 # hour (a full bucket is resting state and may be dropped); tenants stay alive as long.
-cat >"$work/rss.toml" <<'EOF'
+cat >"$work/rss.toml" <<EOF
 [server]
 lease_ttl = "10s"
 idle_ttl = "1h"
@@ -108,14 +111,7 @@ rate = "1/h"
 burst = 100
 concurrency = 1000000
 
-[limits.tenant]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.global]
-rate = "10000000/s"
-burst = 10000000
+$generous_tenant_and_global
 EOF
 
 # ---- helpers --------------------------------------------------------------------------------------
