@@ -5,6 +5,7 @@
 
 pub mod adaptive;
 pub mod bucket;
+pub mod leases;
 pub mod refusal;
 pub mod retry_after;
 pub mod rng;

@@ -28,9 +28,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
+use smallvec::SmallVec;
 
 use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
 use super::bucket::{Bucket, Gcra, Take};
+use super::leases::Leases;
 use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
 use super::shared::{SharedBudgets, SharedUpstream};
@@ -101,7 +103,8 @@ struct Charge {
     /// The bucket layers it took from (with the upstream, for upstream layers). Refunds recompute the
     /// amount from the current rate and skip layers a reload removed, so a refund after a reload gives
     /// back exactly the tokens taken: never another layer's, never more.
-    taken: Vec<(Layer, Option<Arc<str>>)>,
+    /// Inline: a call takes from a handful of layers, and this is built on every admission.
+    taken: SmallVec<[(Layer, Option<Arc<str>>); 5]>,
     quota_day: i64,
     quota_subject: bool,
     quota_tenant: bool,
@@ -112,7 +115,8 @@ struct Lease {
     resolved: Resolved,
     /// Holds one subject and one tenant concurrency slot (false for shadow-mode stand-in leases).
     slots: bool,
-    charge: Option<Charge>,
+    /// Boxed: only held calls keep their charge, and it would double the size of every lease.
+    charge: Option<Box<Charge>>,
     /// When the hold ends; a cancellation after that refunds nothing (the call ran).
     hold_until: Nanos,
     created: Nanos,
@@ -331,7 +335,7 @@ pub struct TenantEngine {
     upstreams: HashMap<Arc<str>, UpstreamState>,
     inflight: u32,
     quota: QuotaCounter,
-    leases: HashMap<u64, Lease>,
+    leases: Leases<Lease>,
     expiries: BinaryHeap<Reverse<(Nanos, u64)>>,
     waiters: VecDeque<Waiter>,
     /// Decisions for queued calls made outside `release` (a penalty from feedback sheds the calls
@@ -359,7 +363,7 @@ impl TenantEngine {
             upstreams: HashMap::default(),
             inflight: 0,
             quota: QuotaCounter::default(),
-            leases: HashMap::default(),
+            leases: Leases::new(rng.next_u64()),
             expiries: BinaryHeap::new(),
             waiters: VecDeque::new(),
             pending: Vec::new(),
@@ -1092,22 +1096,18 @@ impl TenantEngine {
             }
         }
 
-        let lease = self.next_id();
         let expires = now
             .saturating_add(hold)
             .saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
         let layers = self.layer_states(plan, &r, now);
-        self.leases.insert(
-            lease,
-            Lease {
-                resolved: r.clone(),
-                slots: true,
-                charge: (hold > 0).then_some(charge),
-                hold_until: now.saturating_add(hold),
-                created: now,
-                expires,
-            },
-        );
+        let lease = self.leases.insert(Lease {
+            resolved: r.clone(),
+            slots: true,
+            charge: (hold > 0).then(|| Box::new(charge)),
+            hold_until: now.saturating_add(hold),
+            created: now,
+            expires,
+        });
         self.expiries.push(Reverse((expires, lease)));
         Decision {
             verdict: Verdict::Admitted(Admitted {
@@ -1149,20 +1149,16 @@ impl TenantEngine {
         let verdict = match self.policy.cfg.server.mode {
             Mode::Enforce => Verdict::Shed(shed),
             Mode::Shadow => {
-                let lease = self.next_id();
                 let expires =
                     now.saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
-                self.leases.insert(
-                    lease,
-                    Lease {
-                        resolved: r.clone(),
-                        slots: false,
-                        charge: None,
-                        hold_until: now,
-                        created: now,
-                        expires,
-                    },
-                );
+                let lease = self.leases.insert(Lease {
+                    resolved: r.clone(),
+                    slots: false,
+                    charge: None,
+                    hold_until: now,
+                    created: now,
+                    expires,
+                });
                 self.expiries.push(Reverse((expires, lease)));
                 Verdict::Admitted(Admitted {
                     lease,
@@ -1192,7 +1188,7 @@ impl TenantEngine {
         wall_ms: i64,
     ) -> Result<Released, UnknownLease> {
         self.last_active = now;
-        let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
+        let l = self.leases.remove(lease).ok_or(UnknownLease)?;
         if l.slots {
             self.free_slots(&l.resolved.subject);
             let held = now.saturating_sub(l.created) as f64;
@@ -1238,7 +1234,7 @@ impl TenantEngine {
         now: Nanos,
         wall_ms: i64,
     ) -> Result<Vec<(u64, Decision)>, UnknownLease> {
-        let l = self.leases.remove(&lease).ok_or(UnknownLease)?;
+        let l = self.leases.remove(lease).ok_or(UnknownLease)?;
         if let Some(charge) = l.charge.as_ref().filter(|_| refund) {
             let plan = self.plan(&l.resolved);
             self.undo_charge(&l.resolved, &plan, charge);
@@ -1257,7 +1253,7 @@ impl TenantEngine {
         now: Nanos,
         wall_ms: i64,
     ) -> Result<Vec<(u64, Decision)>, UnknownLease> {
-        let refund = self.leases.get(&lease).is_some_and(|l| now < l.hold_until);
+        let refund = self.leases.get(lease).is_some_and(|l| now < l.hold_until);
         self.end_lease(lease, refund, now, wall_ms)
     }
 
@@ -1270,7 +1266,7 @@ impl TenantEngine {
         now: Nanos,
         wall_ms: i64,
     ) -> Result<Option<Decision>, UnknownLease> {
-        let l = self.leases.get(&lease).ok_or(UnknownLease)?;
+        let l = self.leases.get(lease).ok_or(UnknownLease)?;
         let r = l.resolved.clone();
         let Some(shed) = self.penalty(&r, now) else {
             return Ok(None);
@@ -1527,8 +1523,8 @@ impl TenantEngine {
                 break;
             }
             self.expiries.pop();
-            if self.leases.get(&id).is_some_and(|l| l.expires == at) {
-                if let Some(l) = self.leases.remove(&id) {
+            if self.leases.get(id).is_some_and(|l| l.expires == at) {
+                if let Some(l) = self.leases.remove(id) {
                     if l.slots {
                         self.free_slots(&l.resolved.subject);
                         expired.push((l.resolved.subject, l.resolved.tool, l.resolved.upstream));
@@ -1541,7 +1537,7 @@ impl TenantEngine {
             self.expiries = self
                 .leases
                 .iter()
-                .map(|(id, l)| Reverse((l.expires, *id)))
+                .map(|(id, l)| Reverse((l.expires, id)))
                 .collect();
         }
         let granted = if expired.is_empty() {
