@@ -37,7 +37,10 @@ use crate::telemetry::Telemetry;
 
 const SHARDS: usize = 16;
 
-/// How long a request waits for a tenant actor's answer before it is answered 503.
+/// How long an admission may wait in a tenant actor's mailbox before it is answered 503 instead of
+/// decided (see [`AdmitReply::Late`]). There is no timer per request: a timer cost a registration and a
+/// removal in the runtime's timer wheel on every call, and with the actor on the caller's own thread it
+/// could only fire when the mailbox was that far behind, which the actor sees for itself.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Entry = (u64, Addr<TenantActor>);
@@ -59,7 +62,7 @@ pub struct Shared {
 /// Why a tenant actor could not answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AskError {
-    /// The actor did not answer in time (overload or a bug); the call should be retried.
+    /// The actor is too far behind to answer in time (overload); the call should be retried.
     Timeout,
     /// The actor kept stopping under us; should not happen more than once in a row.
     Unavailable,
@@ -94,10 +97,11 @@ impl Shared {
         })
     }
 
+    /// Places a tenant: its registry shard (low bits) and its arbiter (high bits). Not keyed: the
+    /// placement only spreads load, it guards nothing.
     fn hash(tenant: &str) -> u64 {
-        let mut h = DefaultHasher::new();
-        tenant.hash(&mut h);
-        h.finish()
+        use std::hash::BuildHasher;
+        foldhash::fast::FixedState::with_seed(0x5eed).hash_one(tenant)
     }
 
     fn shard(&self, tenant: &str) -> &RwLock<HashMap<Arc<str>, Entry>> {
@@ -157,7 +161,7 @@ impl Shared {
     {
         for _ in 0..4 {
             let addr = self.tenant_or_start(tenant);
-            match addr.send(msg.clone()).timeout(ASK_TIMEOUT).await {
+            match addr.send(msg.clone()).await {
                 Ok(r) => return Ok(r),
                 Err(MailboxError::Timeout) => return Err(AskError::Timeout),
                 Err(MailboxError::Closed) => {
@@ -182,7 +186,7 @@ impl Shared {
         let Some(addr) = self.tenant(tenant) else {
             return Ok(None);
         };
-        match addr.send(msg).timeout(ASK_TIMEOUT).await {
+        match addr.send(msg).await {
             Ok(r) => Ok(Some(r)),
             Err(MailboxError::Timeout) => Err(AskError::Timeout),
             Err(MailboxError::Closed) => Ok(None),

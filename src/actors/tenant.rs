@@ -144,11 +144,20 @@ impl Actor for TenantActor {
 /// Admit a call (see [`TenantEngine::admit`]).
 #[derive(Message, Clone)]
 #[rtype(result = "AdmitReply")]
-pub struct Admit(pub AdmitRequest);
+pub struct Admit {
+    pub req: AdmitRequest,
+    /// When the request was sent, on the shared clock's monotonic scale.
+    pub sent: Nanos,
+}
 
 /// The answer to [`Admit`].
 pub enum AdmitReply {
-    Decided(Decision),
+    /// With the tenant's name as the actor holds it, so telemetry shares it instead of copying it.
+    Decided(Decision, Arc<str>),
+    /// The request waited in the mailbox longer than [`super::ASK_TIMEOUT`]: the actor is that far
+    /// behind, so it is not decided (a decision that late is stale, and skipping it lets the actor catch
+    /// up); the caller answers 503.
+    Late,
     /// Waiting for a concurrency slot: the decision arrives on the receiver.
     Queued {
         waiter: u64,
@@ -169,8 +178,11 @@ impl Handler<Admit> for TenantActor {
 
     fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) -> AdmitReply {
         let (now, wall) = self.now();
-        match self.engine.admit(&msg.0, now, wall) {
-            AdmitResult::Decided(d) => AdmitReply::Decided(d),
+        if now.saturating_sub(msg.sent) > super::ASK_TIMEOUT.as_nanos() as u64 {
+            return AdmitReply::Late;
+        }
+        match self.engine.admit(&msg.req, now, wall) {
+            AdmitResult::Decided(d) => AdmitReply::Decided(d, self.engine.tenant().clone()),
             AdmitResult::Queued { waiter, deadline } => {
                 let (tx, rx) = oneshot::channel();
                 self.waiters.insert(waiter, tx);
@@ -290,5 +302,58 @@ impl Handler<Snapshot> for TenantActor {
         self.engine
             .has_state(now, wall)
             .then(|| self.engine.snapshot(now, wall))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::{Clock, FakeClock};
+    use crate::config::Config;
+    use crate::telemetry::Telemetry;
+
+    fn req() -> AdmitRequest {
+        AdmitRequest {
+            subject: "s".into(),
+            tool: "t".into(),
+            upstream: None,
+            cost: None,
+            max_wait_ns: 0,
+        }
+    }
+
+    #[test]
+    fn an_admission_that_waited_too_long_in_the_mailbox_is_not_decided() {
+        actix::System::new().block_on(async {
+            let clock = Arc::new(FakeClock::new(0));
+            clock.advance(Duration::from_secs(60));
+            let shared = Shared::new(
+                Config::default(),
+                clock.clone(),
+                Telemetry::default(),
+                vec![actix::Arbiter::current()],
+            );
+            let limit = super::super::ASK_TIMEOUT.as_nanos() as u64;
+            let now = clock.mono();
+
+            let late = Admit {
+                req: req(),
+                sent: now - limit - 1,
+            };
+            let reply = shared.ask("acme", late).await.unwrap();
+            assert!(matches!(reply, AdmitReply::Late));
+            // Nothing was spent: the tenant holds no state at all.
+            let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
+            assert!(matches!(snapshot, Some(None)));
+
+            let in_time = Admit {
+                req: req(),
+                sent: now - limit,
+            };
+            let reply = shared.ask("acme", in_time).await.unwrap();
+            assert!(matches!(reply, AdmitReply::Decided(ref d, ref t) if d.is_admitted() && &**t == "acme"));
+            let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
+            assert!(matches!(snapshot, Some(Some(s)) if s.leases == 1));
+        });
     }
 }

@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use warp::http::{HeaderMap, HeaderValue, StatusCode};
+use warp::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use warp::reply::Response;
 
 use super::error::ApiError;
 use super::{body, json, lease, name_field, App};
-use crate::actors::{Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Shared};
+use crate::actors::{Admit, AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Shared};
 use crate::clock::{ceil_ms, ceil_secs};
 use crate::config::Mode;
 use crate::engine::refusal::whole_seconds;
@@ -117,11 +117,13 @@ pub async fn admit(
         lease: None,
         waiter: None,
     };
-    let reply = shared.ask(tenant, Admit(req)).await?;
+    let sent = shared.clock.mono();
+    let reply = shared.ask(tenant, Admit { req, sent }).await?;
     // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
     let decision_ns = started.elapsed().as_nanos() as u64;
-    let decision = match reply {
-        AdmitReply::Decided(d) => d,
+    let (decision, tenant_name) = match reply {
+        AdmitReply::Decided(d, name) => (d, name),
+        AdmitReply::Late => return Err(AskError::Timeout.into()),
         AdmitReply::Queued { waiter, mut rx } => {
             guard.waiter = Some(waiter);
             // The actor answers by the deadline; the slack only guards against a lost answer.
@@ -141,7 +143,7 @@ pub async fn admit(
                 }
             };
             guard.waiter = None;
-            d
+            (d, Arc::from(tenant))
         }
     };
     let mut decision = decision;
@@ -164,7 +166,7 @@ pub async fn admit(
     }
 
     let (response, event) = answer(
-        tenant,
+        tenant_name,
         &decision,
         b.call_id,
         headers,
@@ -175,6 +177,9 @@ pub async fn admit(
     shared.telemetry.decision(event);
     Ok(response)
 }
+
+static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 
 /// A number written as an integer when it is whole (`20`, not `20.0`).
 struct Num(f64);
@@ -327,16 +332,52 @@ fn cached_policy_header(layers: &[LayerState]) -> Option<HeaderValue> {
 
 /// `RateLimit`: the tightest layer, `"name";r=<whole tokens left>;t=<seconds until full>`.
 pub fn ratelimit_header(l: &LayerState) -> String {
-    format!(
-        "\"{}\";r={};t={}",
-        l.name,
-        l.remaining,
-        ceil_secs(l.reset_ns)
-    )
+    let mut s = String::with_capacity(l.name.len() + 32);
+    let mut n = itoa::Buffer::new();
+    s.push('"');
+    s.push_str(&l.name);
+    s.push_str("\";r=");
+    s.push_str(n.format(l.remaining));
+    s.push_str(";t=");
+    s.push_str(n.format(ceil_secs(l.reset_ns)));
+    s
+}
+
+/// The body of an admission, written directly: it is on every answer, and serde's generic path cost
+/// several times this. `admitted_body_matches_serde` holds it to the serde rendering of
+/// [`AdmittedBody`].
+fn write_admitted(b: &AdmittedBody) -> Vec<u8> {
+    let mut out = Vec::with_capacity(160 + b.lease_id.len());
+    let mut n = itoa::Buffer::new();
+    out.extend_from_slice(b"{\"admitted\":true,\"lease_id\":");
+    // Lease ids are hex digits and tenant names in hex: nothing to escape, but stay correct regardless.
+    let _ = serde_json::to_writer(&mut out, b.lease_id);
+    out.extend_from_slice(b",\"waited_ms\":");
+    out.extend_from_slice(n.format(b.waited_ms).as_bytes());
+    out.extend_from_slice(b",\"mode\":");
+    let _ = serde_json::to_writer(&mut out, b.mode);
+    if let Some(r) = b.remaining {
+        out.extend_from_slice(b",\"remaining\":");
+        out.extend_from_slice(n.format(r).as_bytes());
+    }
+    if let Some(l) = &b.limit {
+        out.extend_from_slice(b",\"limit\":");
+        let _ = serde_json::to_writer(&mut out, l);
+    }
+    if let Some(r) = b.reset_ms {
+        out.extend_from_slice(b",\"reset_ms\":");
+        out.extend_from_slice(n.format(r).as_bytes());
+    }
+    if let Some(w) = &b.would_shed {
+        out.extend_from_slice(b",\"would_shed\":");
+        let _ = serde_json::to_writer(&mut out, w);
+    }
+    out.push(b'}');
+    out
 }
 
 fn answer(
-    tenant: &str,
+    tenant: Arc<str>,
     d: &Decision,
     call_id: Option<String>,
     headers: &HeaderMap,
@@ -350,7 +391,7 @@ fn answer(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let mut event = DecisionEvent {
-        tenant: Arc::from(tenant),
+        tenant: tenant.clone(),
         subject: d.resolved.subject.clone(),
         tool: d.resolved.tool.clone(),
         upstream: d.resolved.upstream.clone(),
@@ -368,7 +409,7 @@ fn answer(
     };
     let mut response = match &d.verdict {
         Verdict::Admitted(a) => {
-            let lease_id = lease::encode(tenant, a.lease);
+            let lease_id = lease::encode(&tenant, a.lease);
             let waited_ns = if a.mode == Mode::Shadow {
                 0
             } else {
@@ -394,10 +435,11 @@ fn answer(
                     retry_after_ms: s.retry_after_ms,
                 }),
             };
+            let r = super::json_response(StatusCode::OK, write_admitted(&body));
             if traced {
-                event.lease_id = Some(lease_id.clone());
+                event.lease_id = Some(lease_id);
             }
-            json(StatusCode::OK, &body)
+            r
         }
         Verdict::Shed(s) => {
             event.kind = DecisionKind::Shed;
@@ -416,11 +458,12 @@ fn answer(
     };
     let h = response.headers_mut();
     if let Some(v) = cached_policy_header(&d.layers) {
-        h.insert("ratelimit-policy", v);
+        h.insert(&RATELIMIT_POLICY, v);
     }
     if let Some(t) = tightest {
-        if let Ok(v) = HeaderValue::from_str(&ratelimit_header(t)) {
-            h.insert("ratelimit", v);
+        let v = ratelimit_header(t).into_bytes();
+        if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(v)) {
+            h.insert(&RATELIMIT, v);
         }
     }
     (response, event)
@@ -478,6 +521,53 @@ mod tests {
         }
         assert_ne!(policy_header(&a), policy_header(&b));
         assert!(cached_policy_header(&[]).is_none());
+    }
+
+    #[test]
+    fn admitted_body_matches_serde() {
+        let shed = WouldShed {
+            scope: "subject",
+            retry_after_ms: 1500,
+        };
+        let bodies = [
+            AdmittedBody {
+                admitted: true,
+                lease_id: "00000001deadbeef61636d65",
+                waited_ms: 0,
+                mode: "enforce",
+                remaining: Some(19),
+                limit: Some(Num(20.0)),
+                reset_ms: Some(500),
+                would_shed: None,
+            },
+            AdmittedBody {
+                admitted: true,
+                lease_id: "a\"b\\c",
+                waited_ms: 1234,
+                mode: "shadow",
+                remaining: None,
+                limit: Some(Num(2.5)),
+                reset_ms: None,
+                would_shed: Some(shed),
+            },
+            AdmittedBody {
+                admitted: true,
+                lease_id: "",
+                waited_ms: u64::MAX,
+                mode: "enforce",
+                remaining: Some(0),
+                limit: None,
+                reset_ms: Some(u64::MAX),
+                would_shed: None,
+            },
+        ];
+        for b in &bodies {
+            let by_hand = write_admitted(b);
+            assert_eq!(
+                String::from_utf8(by_hand).unwrap(),
+                serde_json::to_string(b).unwrap()
+            );
+        }
     }
 
     #[test]

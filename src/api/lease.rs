@@ -4,13 +4,15 @@
 //! Form: 16 hex digits of the lease number, then the tenant name in hex. A malformed id is simply an
 //! unknown lease.
 
-use std::fmt::Write;
-
 pub fn encode(tenant: &str, lease: u64) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(16 + tenant.len() * 2);
-    let _ = write!(s, "{lease:016x}");
+    for shift in (0..16).rev() {
+        s.push(HEX[(lease >> (shift * 4)) as usize & 0xf] as char);
+    }
     for b in tenant.bytes() {
-        let _ = write!(s, "{b:02x}");
+        s.push(HEX[usize::from(b >> 4)] as char);
+        s.push(HEX[usize::from(b & 0xf)] as char);
     }
     s
 }
