@@ -22,7 +22,7 @@ use crate::engine::{
     AdmitRequest, AdmitResult, Decision, ReleaseInfo, TenantEngine, TenantSnapshot, UnknownLease,
     Verdict,
 };
-use crate::telemetry::TenantEvent;
+use crate::telemetry::{CallCounts, TenantEvent};
 
 /// How often leases are expired and idleness is checked.
 const TICK: Duration = Duration::from_secs(1);
@@ -35,6 +35,13 @@ pub struct TenantActor {
     generation: u64,
     waiters: HashMap<u64, oneshot::Sender<Decision>>,
     ticks: u32,
+    /// Answers given since the last report (see [`CallCounts`]).
+    calls: CallCounts,
+}
+
+/// Admitted, and not a shadow-mode admission that enforce mode would have refused.
+fn truly_admitted(d: &Decision) -> bool {
+    matches!(&d.verdict, Verdict::Admitted(a) if a.would_shed.is_none())
 }
 
 impl TenantActor {
@@ -48,6 +55,7 @@ impl TenantActor {
             generation,
             waiters: HashMap::new(),
             ticks: 0,
+            calls: CallCounts::default(),
         }
     }
 
@@ -65,6 +73,15 @@ impl TenantActor {
         (now, wall)
     }
 
+    /// Counts an answer for the shed-ratio alerts; a shadow-mode admission that enforce mode would
+    /// have refused counts as shed, so shadow mode predicts enforce mode's alerts.
+    fn count(&mut self, admitted: bool) {
+        match admitted {
+            true => self.calls.admitted += 1,
+            false => self.calls.shed += 1,
+        }
+    }
+
     /// Hands decisions to queued callers. A caller that has gone away gets its lease cancelled, which may
     /// in turn let the next queued call in.
     fn deliver(&mut self, mut granted: Vec<(u64, Decision)>) {
@@ -72,11 +89,15 @@ impl TenantActor {
             let Some(tx) = self.waiters.remove(&id) else {
                 continue;
             };
-            if let Err(decision) = tx.send(decision) {
-                if let Verdict::Admitted(a) = &decision.verdict {
-                    let (now, wall) = self.now();
-                    if let Ok(more) = self.engine.cancel_lease(a.lease, now, wall) {
-                        granted.extend(more);
+            let admitted = truly_admitted(&decision);
+            match tx.send(decision) {
+                Ok(()) => self.count(admitted),
+                Err(decision) => {
+                    if let Verdict::Admitted(a) = &decision.verdict {
+                        let (now, wall) = self.now();
+                        if let Ok(more) = self.engine.cancel_lease(a.lease, now, wall) {
+                            granted.extend(more);
+                        }
                     }
                 }
             }
@@ -113,6 +134,7 @@ impl TenantActor {
         self.shared.telemetry.tenant_event(TenantEvent::Gauges {
             tenant: self.engine.tenant().clone(),
             gauges: self.engine.gauges(now, wall),
+            calls: std::mem::take(&mut self.calls),
         });
         let idle_ttl = self.engine.config().server.idle_ttl.as_nanos() as u64;
         if now.saturating_sub(self.engine.last_active()) >= idle_ttl
@@ -124,6 +146,7 @@ impl TenantActor {
             self.shared.telemetry.tenant_event(TenantEvent::Gauges {
                 tenant: self.engine.tenant().clone(),
                 gauges: Default::default(),
+                calls: std::mem::take(&mut self.calls),
             });
             ctx.stop();
         }
@@ -182,7 +205,10 @@ impl Handler<Admit> for TenantActor {
             return AdmitReply::Late;
         }
         match self.engine.admit(&msg.req, now, wall) {
-            AdmitResult::Decided(d) => AdmitReply::Decided(d, self.engine.tenant().clone()),
+            AdmitResult::Decided(d) => {
+                self.count(truly_admitted(&d));
+                AdmitReply::Decided(d, self.engine.tenant().clone())
+            }
             AdmitResult::Queued { waiter, deadline } => {
                 let (tx, rx) = oneshot::channel();
                 self.waiters.insert(waiter, tx);
@@ -231,6 +257,8 @@ impl Handler<CancelLease> for TenantActor {
     fn handle(&mut self, msg: CancelLease, _: &mut Context<Self>) {
         let (now, wall) = self.now();
         if let Ok(granted) = self.engine.cancel_lease(msg.0, now, wall) {
+            // Counted as admitted, but its caller never got the answer.
+            self.calls.admitted -= 1;
             self.deliver(granted);
         }
     }
@@ -284,6 +312,11 @@ impl Handler<ConfirmHold> for TenantActor {
     fn handle(&mut self, msg: ConfirmHold, _: &mut Context<Self>) -> Self::Result {
         let (now, wall) = self.now();
         let r = self.engine.confirm_hold(msg.0, now, wall);
+        if let Ok(Some(refused)) = &r {
+            // Counted as admitted when the hold began; the caller is answered with this refusal.
+            self.calls.admitted -= 1;
+            self.count(truly_admitted(refused));
+        }
         self.flush();
         r
     }
@@ -311,6 +344,84 @@ mod tests {
     use crate::clock::{Clock, FakeClock};
     use crate::config::Config;
     use crate::telemetry::Telemetry;
+
+    /// Sums the call counts of the tenant reports it receives.
+    struct Reports(Arc<parking_lot::Mutex<Vec<CallCounts>>>);
+
+    impl Actor for Reports {
+        type Context = Context<Self>;
+    }
+
+    impl Handler<crate::telemetry::Batch> for Reports {
+        type Result = ();
+        fn handle(&mut self, b: crate::telemetry::Batch, _: &mut Context<Self>) {
+            for ev in b.0.iter() {
+                if let crate::telemetry::Event::Tenant(t) = ev {
+                    if let TenantEvent::Gauges { calls, .. } = &**t {
+                        self.0.lock().push(*calls);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_tenant_report_counts_what_callers_were_answered() {
+        actix::System::new().block_on(async {
+            let clock = Arc::new(FakeClock::new(0));
+            let cfg = Config::parse(
+                "t.toml",
+                "[limits.subject]\nrate = \"1/h\"\nburst = 2\n[limits.tenant]\nconcurrency = 1\n",
+            )
+            .unwrap();
+            let reports = Arc::new(parking_lot::Mutex::new(Vec::new()));
+            let sink = Reports(reports.clone()).start().recipient();
+            let shared = Shared::new(
+                cfg,
+                clock.clone(),
+                Telemetry::to_recipient(sink),
+                vec![actix::Arbiter::current()],
+            );
+            let admit = |subject: &str| Admit {
+                req: AdmitRequest {
+                    subject: subject.into(),
+                    ..req()
+                },
+                sent: clock.mono(),
+            };
+            // One admitted; a second call finds the tenant's only slot taken and, allowed no wait, is
+            // shed at once.
+            let first = shared.ask("acme", admit("a")).await.unwrap();
+            let AdmitReply::Decided(d, _) = first else {
+                panic!("decided at once")
+            };
+            let Verdict::Admitted(a) = d.verdict else {
+                panic!("admitted")
+            };
+            let second = shared.ask("acme", admit("b")).await.unwrap();
+            assert!(matches!(second, AdmitReply::Decided(ref d, _) if !d.is_admitted()));
+            // A caller that went away during its hold is taken back off the admitted count.
+            shared.tell_existing("acme", CancelLease(a.lease));
+            let mut total = CallCounts::default();
+            for _ in 0..50 {
+                actix::clock::sleep(Duration::from_millis(100)).await;
+                for c in reports.lock().drain(..) {
+                    total.admitted += c.admitted;
+                    total.shed += c.shed;
+                }
+                if total != CallCounts::default() {
+                    break;
+                }
+            }
+            assert_eq!(
+                total,
+                CallCounts {
+                    admitted: 0,
+                    shed: 1
+                }
+            );
+        });
+    }
 
     fn req() -> AdmitRequest {
         AdmitRequest {

@@ -8,6 +8,11 @@
 //! with a fake clock; [`AlertActor`] feeds it and publishes the result: `GET /v1/alerts`, the
 //! `admitd_tenant_shed_ratio` and `admitd_alert_firing` gauges, a log line on every change, and
 //! optionally an Alertmanager `POST /api/v2/alerts`.
+//!
+//! The counts come from the tenant actors, which count the answers they give and report them once a
+//! second with their gauges ([`super::CallCounts`]): the alert actor handles one report per tenant per
+//! second rather than one event per call, and a count is at most a second late, against a window of
+//! minutes.
 
 use std::collections::VecDeque;
 
@@ -21,31 +26,27 @@ use parking_lot::RwLock;
 use serde::Serialize;
 
 use super::names::{ALERT_FIRING, SHED_RATIO_ALERT, TENANT_SHED_RATIO};
-use super::{Batch, DecisionKind, Event};
+use super::{Batch, CallCounts, Event, TenantEvent};
 use crate::clock::{Clock, Nanos};
 use crate::config::AlertsConfig;
 
 const SLOTS: u64 = 60;
 
-/// Admitted and shed counts over a sliding window, in 60 slots.
+/// Admitted and shed counts over a sliding window, in 60 slots. Admitted counts are signed: a report
+/// may take back an admission counted in an earlier slot (see [`super::CallCounts`]).
 #[derive(Debug, Clone, Default)]
 pub struct ShedWindow {
-    slots: VecDeque<(u64, u64, u64)>,
+    slots: VecDeque<(u64, i64, u64)>,
 }
 
 impl ShedWindow {
-    pub fn record(&mut self, slot: u64, shed: bool) {
+    pub fn record(&mut self, slot: u64, calls: CallCounts) {
         match self.slots.back_mut() {
             Some(last) if last.0 == slot => {
-                if shed {
-                    last.2 += 1
-                } else {
-                    last.1 += 1
-                }
+                last.1 += calls.admitted;
+                last.2 += calls.shed;
             }
-            _ => self
-                .slots
-                .push_back((slot, u64::from(!shed), u64::from(shed))),
+            _ => self.slots.push_back((slot, calls.admitted, calls.shed)),
         }
     }
 
@@ -54,9 +55,11 @@ impl ShedWindow {
         while self.slots.front().is_some_and(|s| s.0 + SLOTS <= slot) {
             self.slots.pop_front();
         }
-        self.slots
+        let (admitted, shed) = self
+            .slots
             .iter()
-            .fold((0, 0), |(a, s), x| (a + x.1, s + x.2))
+            .fold((0i64, 0u64), |(a, s), x| (a + x.1, s + x.2));
+        (admitted.max(0) as u64, shed)
     }
 }
 
@@ -117,13 +120,15 @@ impl AlertEvaluator {
         now / slot_ns
     }
 
-    pub fn record(&mut self, tenant: &Arc<str>, shed: bool, now: Nanos) {
+    /// Adds a tenant's calls answered since its previous report.
+    pub fn record(&mut self, tenant: &Arc<str>, calls: CallCounts, now: Nanos) {
         let slot = self.slot(now);
         match self.tenants.get_mut(tenant) {
-            Some(t) => t.window.record(slot, shed),
+            Some(t) => t.window.record(slot, calls),
+            None if calls == CallCounts::default() => {}
             None => {
                 let mut t = TenantAlert::default();
-                t.window.record(slot, shed);
+                t.window.record(slot, calls);
                 self.tenants.insert(tenant.clone(), t);
             }
         }
@@ -317,9 +322,10 @@ impl Handler<Batch> for AlertActor {
     fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
         let now = self.clock.mono();
         for ev in batch.0.iter() {
-            if let Event::Decision(d) = ev {
-                self.evaluator
-                    .record(&d.tenant, d.kind != DecisionKind::Admitted, now);
+            if let Event::Tenant(t) = ev {
+                if let TenantEvent::Gauges { tenant, calls, .. } = &**t {
+                    self.evaluator.record(tenant, *calls, now);
+                }
             }
         }
     }
@@ -436,11 +442,16 @@ mod tests {
     }
 
     fn feed(e: &mut AlertEvaluator, t: &Arc<str>, now: Nanos, admitted: u64, shed: u64) {
-        for _ in 0..admitted {
-            e.record(t, false, now);
-        }
-        for _ in 0..shed {
-            e.record(t, true, now);
+        // In several reports, as tenant actors send them.
+        for (a, s) in [
+            (admitted / 2, shed / 2),
+            (admitted - admitted / 2, shed - shed / 2),
+        ] {
+            let calls = CallCounts {
+                admitted: a as i64,
+                shed: s,
+            };
+            e.record(t, calls, now);
         }
     }
 

@@ -104,6 +104,19 @@ pub struct FeedbackEvent {
     pub penalty_ms: Option<u64>,
 }
 
+/// Calls a tenant actor answered since its previous report: what the shed-ratio alerts count.
+///
+/// The tenant actor counts them as it decides (two additions to memory it is already using), so the
+/// alert actor receives one report per tenant per second instead of one event per call. `admitted` is
+/// signed because a held call that is refused when its hold ends (its upstream went into the penalty
+/// box meanwhile), or whose caller went away during the hold, was counted as admitted, possibly in an
+/// earlier report: it is taken back here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    pub admitted: i64,
+    pub shed: u64,
+}
+
 /// State changes and samples from the actors.
 #[derive(Debug, Clone)]
 pub enum TenantEvent {
@@ -113,9 +126,12 @@ pub enum TenantEvent {
         tool: Arc<str>,
         upstream: Option<Arc<str>>,
     },
+    /// Sent by every tenant actor once a second (and when it stops).
     Gauges {
         tenant: Arc<str>,
         gauges: TenantGauges,
+        /// Calls answered since the previous report, for the shed-ratio alerts.
+        calls: CallCounts,
     },
     Global {
         tenants: usize,
@@ -182,6 +198,15 @@ impl Telemetry {
     /// A handle that reports nowhere (tests, `check`).
     pub fn disabled() -> Self {
         Telemetry::default()
+    }
+
+    /// A handle that hands every event at once to `recipient` (tests).
+    #[cfg(test)]
+    pub(crate) fn to_recipient(recipient: Recipient<Batch>) -> Self {
+        Telemetry {
+            sinks: Arc::new(vec![Sink { recipient }]),
+            ..Telemetry::default()
+        }
     }
 
     /// Makes the current thread collect events and hand them over in batches (of up to 256, or
