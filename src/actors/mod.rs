@@ -22,6 +22,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use actix::ArbiterHandle;
 use arc_swap::ArcSwap;
+use compact_str::CompactString;
 use parking_lot::RwLock;
 
 pub use global::GlobalActor;
@@ -55,7 +56,9 @@ pub struct Shared {
     /// Per-process random seed (lease numbers, jitter).
     pub seed: u64,
     arbiters: Vec<ArbiterHandle>,
-    shards: Vec<RwLock<HashMap<Arc<str>, Entry>>>,
+    /// Keyed by the tenant name stored inline (up to 24 bytes), so a lookup compares it without a
+    /// further cache miss.
+    shards: Vec<RwLock<HashMap<CompactString, Entry>>>,
     next_generation: AtomicU64,
 }
 
@@ -104,7 +107,7 @@ impl Shared {
         foldhash::fast::FixedState::with_seed(0x5eed).hash_one(tenant)
     }
 
-    fn shard(&self, tenant: &str) -> &RwLock<HashMap<Arc<str>, Entry>> {
+    fn shard(&self, tenant: &str) -> &RwLock<HashMap<CompactString, Entry>> {
         &self.shards[(Self::hash(tenant) as usize) % SHARDS]
     }
 
@@ -133,7 +136,7 @@ impl Shared {
         let addr = TenantActor::start_in_arbiter(arbiter, move |_| {
             TenantActor::new(n, shared, generation)
         });
-        map.insert(name, (generation, addr.clone()));
+        map.insert(CompactString::from(tenant), (generation, addr.clone()));
         addr
     }
 

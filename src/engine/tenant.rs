@@ -27,6 +27,7 @@ type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState
 use std::sync::Arc;
 use std::time::Duration;
 
+use compact_str::CompactString;
 use serde::Serialize;
 use smallvec::SmallVec;
 
@@ -330,7 +331,9 @@ pub struct TenantEngine {
     tenant: Arc<str>,
     policy: Policy,
     shared: Arc<SharedBudgets>,
-    subjects: HashMap<Arc<str>, SubjectState>,
+    /// Keyed by the name stored inline (up to 24 bytes): the first lookup of an admission is usually a
+    /// cache miss, and an `Arc<str>` key cost one more to compare the name behind it.
+    subjects: hashbrown::HashMap<CompactString, SubjectState, foldhash::fast::RandomState>,
     tenant_bucket: Bucket,
     upstreams: HashMap<Arc<str>, UpstreamState>,
     inflight: u32,
@@ -358,7 +361,7 @@ impl TenantEngine {
             policy: Policy::new(cfg, &tenant),
             tenant,
             shared,
-            subjects: HashMap::default(),
+            subjects: hashbrown::HashMap::default(),
             tenant_bucket: Bucket::default(),
             upstreams: HashMap::default(),
             inflight: 0,
@@ -655,12 +658,16 @@ impl TenantEngine {
             (b.remaining(g, now), b.reset_ns(now), b.peek(g, now, inc))
         };
         match lp.layer {
-            Layer::Subject => local(&lp.g, inc, self.subjects.get(&r.subject).map(|s| &s.bucket)),
+            Layer::Subject => local(
+                &lp.g,
+                inc,
+                self.subjects.get(&*r.subject).map(|s| &s.bucket),
+            ),
             Layer::SubjectTool => local(
                 &lp.g,
                 inc,
                 self.subjects
-                    .get(&r.subject)
+                    .get(&*r.subject)
                     .and_then(|s| s.tools.iter().find(|(t, _)| *t == r.tool).map(|(_, b)| b)),
             ),
             Layer::Tenant => local(&lp.g, inc, Some(&self.tenant_bucket)),
@@ -720,8 +727,8 @@ impl TenantEngine {
     }
 
     fn subject_mut(&mut self, subject: &Arc<str>) -> &mut SubjectState {
-        // The key is an `Arc`, so the owned key `entry` needs is a reference-count increment.
-        self.subjects.entry(subject.clone()).or_default()
+        // The owned key is made only when the subject is new.
+        self.subjects.entry_ref(&**subject).or_default()
     }
 
     fn upstream_mut(&mut self, name: &Arc<str>) -> &mut UpstreamState {
@@ -990,7 +997,7 @@ impl TenantEngine {
 
     fn slots_free(&self, subject: &Arc<str>) -> bool {
         let l = &self.policy.limits;
-        let subj = self.subjects.get(subject).map_or(0, |s| s.inflight);
+        let subj = self.subjects.get(&**subject).map_or(0, |s| s.inflight);
         l.subject.concurrency.is_none_or(|c| subj < c)
             && l.tenant.concurrency.is_none_or(|c| self.inflight < c)
     }
@@ -1009,7 +1016,7 @@ impl TenantEngine {
     }
 
     fn free_slots(&mut self, subject: &Arc<str>) {
-        if let Some(s) = self.subjects.get_mut(subject) {
+        if let Some(s) = self.subjects.get_mut(&**subject) {
             s.inflight = s.inflight.saturating_sub(1);
         }
         self.inflight = self.inflight.saturating_sub(1);
@@ -1040,7 +1047,7 @@ impl TenantEngine {
         );
         let subj_used = self
             .subjects
-            .get(&r.subject)
+            .get(&*r.subject)
             .map_or(0.0, |s| s.quota.used_on(day));
         let over_subject = subject_quota.is_some_and(|q| subj_used + r.cost > q + 1e-9);
         let over_tenant = tenant_quota.is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
