@@ -4,7 +4,8 @@
 //! `server.workers` arbiters (default: one per core). Every arbiter is a single-threaded runtime that both
 //! hosts a share of the tenant actors and serves HTTP on the same listening socket. A request whose tenant
 //! lives on the arbiter that accepted its connection reaches the actor without crossing threads; with one
-//! worker nothing ever does. Each worker also flushes its batch of telemetry events every 10 ms. The
+//! worker nothing ever does. Each worker also flushes its batch of telemetry events every 10 ms and
+//! ticks its tenant actors once a second. The
 //! telemetry actors get an arbiter of their own. docs/BENCHMARKS.md measures this layout against the
 //! alternatives.
 
@@ -65,7 +66,17 @@ async fn run(config: Config) -> Result<(), String> {
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(workers);
-    for arbiter in &arbiters {
+    for (index, arbiter) in arbiters.iter().enumerate() {
+        // The tenant actors living here tick once a second.
+        let ticked = shared.clone();
+        arbiter.spawn(async move {
+            let mut tick = tokio::time::interval(crate::actors::TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                ticked.tick_arbiter(index);
+            }
+        });
         // Telemetry events leave a worker in batches (see `Telemetry::batch_this_thread`).
         let events = shared.telemetry.clone();
         arbiter.spawn(async move {

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use actix::dev::Request;
 use actix::prelude::*;
 use actix::ArbiterHandle;
 use arc_swap::ArcSwap;
@@ -28,7 +29,7 @@ use parking_lot::RwLock;
 pub use global::GlobalActor;
 pub use tenant::{
     Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Feedback, Release, Snapshot,
-    TenantActor,
+    TenantActor, Tick, TICK,
 };
 
 use crate::clock::Clock;
@@ -44,7 +45,8 @@ const SHARDS: usize = 16;
 /// could only fire when the mailbox was that far behind, which the actor sees for itself.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 
-type Entry = (u64, Addr<TenantActor>);
+/// (generation, arbiter index, address) of a running tenant actor.
+type Entry = (u64, usize, Addr<TenantActor>);
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// State every part of the daemon shares. Cheap to reach through an `Arc`.
@@ -116,41 +118,72 @@ impl Shared {
         self.shard(tenant)
             .read()
             .get(tenant)
-            .map(|(_, a)| a.clone())
+            .map(|(_, _, a)| a.clone())
     }
 
-    /// The tenant's actor, started on its arbiter if it is not running.
-    pub fn tenant_or_start(self: &Arc<Self>, tenant: &str) -> Addr<TenantActor> {
-        if let Some(a) = self.tenant(tenant) {
-            return a;
+    /// The tenant's actor, started on its arbiter if it is not running: its generation and address.
+    pub fn tenant_or_start(self: &Arc<Self>, tenant: &str) -> (u64, Addr<TenantActor>) {
+        if let Some((g, _, a)) = self.shard(tenant).read().get(tenant) {
+            return (*g, a.clone());
         }
         let mut map = self.shard(tenant).write();
-        if let Some((_, a)) = map.get(tenant) {
-            return a.clone();
+        if let Some((g, _, a)) = map.get(tenant) {
+            return (*g, a.clone());
         }
         let name: Arc<str> = Arc::from(tenant);
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
-        let arbiter = &self.arbiters[(Self::hash(tenant) >> 32) as usize % self.arbiters.len()];
+        let index = (Self::hash(tenant) >> 32) as usize % self.arbiters.len();
+        let arbiter = &self.arbiters[index];
         let shared = Arc::clone(self);
         let n = name.clone();
         let addr = TenantActor::start_in_arbiter(arbiter, move |_| {
             TenantActor::new(n, shared, generation)
         });
-        map.insert(CompactString::from(tenant), (generation, addr.clone()));
-        addr
+        map.insert(
+            CompactString::from(tenant),
+            (generation, index, addr.clone()),
+        );
+        (generation, addr)
     }
 
     /// Removes a tenant's entry if it is still the given generation of actor.
     pub(crate) fn registry_remove(&self, tenant: &str, generation: u64) {
         let mut map = self.shard(tenant).write();
-        if map.get(tenant).is_some_and(|(g, _)| *g == generation) {
+        if map.get(tenant).is_some_and(|(g, _, _)| *g == generation) {
             map.remove(tenant);
+        }
+    }
+
+    /// Sends [`Tick`] to every tenant actor living on arbiter `index` (each arbiter runs a ticker that
+    /// calls this every [`TICK`]).
+    pub fn tick_arbiter(&self, index: usize) {
+        for shard in &self.shards {
+            for (_, arbiter, addr) in shard.read().values() {
+                if *arbiter == index {
+                    addr.do_send(Tick);
+                }
+            }
         }
     }
 
     /// Number of live tenant actors.
     pub fn tenant_count(&self) -> usize {
         self.shards.iter().map(|s| s.read().len()).sum()
+    }
+
+    /// Posts `msg` to the tenant's actor, starting it if needed; returns the actor's generation and the
+    /// pending answer. The message goes in while the registry is read, so the address is not cloned.
+    fn post<M>(self: &Arc<Self>, tenant: &str, msg: M) -> (u64, Request<TenantActor, M>)
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        TenantActor: Handler<M>,
+    {
+        if let Some((g, _, a)) = self.shard(tenant).read().get(tenant) {
+            return (*g, a.send(msg));
+        }
+        let (generation, addr) = self.tenant_or_start(tenant);
+        (generation, addr.send(msg))
     }
 
     /// Sends `msg` to the tenant's actor (starting it if needed), retrying on an actor that stopped
@@ -163,17 +196,12 @@ impl Shared {
         TenantActor: Handler<M>,
     {
         for _ in 0..4 {
-            let addr = self.tenant_or_start(tenant);
-            match addr.send(msg.clone()).await {
+            let (generation, answer) = self.post(tenant, msg.clone());
+            match answer.await {
                 Ok(r) => return Ok(r),
                 Err(MailboxError::Timeout) => return Err(AskError::Timeout),
-                Err(MailboxError::Closed) => {
-                    // The actor stopped; make sure its stale entry is gone before retrying.
-                    let mut map = self.shard(tenant).write();
-                    if map.get(tenant).is_some_and(|(_, a)| *a == addr) {
-                        map.remove(tenant);
-                    }
-                }
+                // The actor stopped; make sure its stale entry is gone before retrying.
+                Err(MailboxError::Closed) => self.registry_remove(tenant, generation),
             }
         }
         Err(AskError::Unavailable)
@@ -186,10 +214,15 @@ impl Shared {
         M::Result: Send,
         TenantActor: Handler<M>,
     {
-        let Some(addr) = self.tenant(tenant) else {
+        let Some(answer) = self
+            .shard(tenant)
+            .read()
+            .get(tenant)
+            .map(|(_, _, a)| a.send(msg))
+        else {
             return Ok(None);
         };
-        match addr.send(msg).await {
+        match answer.await {
             Ok(r) => Ok(Some(r)),
             Err(MailboxError::Timeout) => Err(AskError::Timeout),
             Err(MailboxError::Closed) => Ok(None),
@@ -203,7 +236,7 @@ impl Shared {
         M::Result: Send,
         TenantActor: Handler<M>,
     {
-        if let Some(addr) = self.tenant(tenant) {
+        if let Some((_, _, addr)) = self.shard(tenant).read().get(tenant) {
             addr.do_send(msg);
         }
     }

@@ -24,8 +24,8 @@ use crate::engine::{
 };
 use crate::telemetry::{CallCounts, TenantEvent};
 
-/// How often leases are expired and idleness is checked.
-const TICK: Duration = Duration::from_secs(1);
+/// How often leases are expired and idleness is checked (the arbiter's ticker sends [`Tick`]).
+pub const TICK: Duration = Duration::from_secs(1);
 /// How often resting per-subject state is pruned.
 const PRUNE_EVERY_TICKS: u32 = 5;
 
@@ -160,7 +160,22 @@ impl Actor for TenantActor {
         // Bursts of parallel calls for one tenant are normal (agent fan-out); let them queue here rather
         // than make every sender wait for mailbox space.
         ctx.set_mailbox_capacity(4096);
-        ctx.run_interval(TICK, |act, ctx| act.tick(ctx));
+    }
+}
+
+/// Once a second, from the ticker of the actor's arbiter ([`super::Shared::tick_arbiter`]): expire
+/// leases, prune resting state, report gauges and counts, and stop when idle. One ticker per arbiter
+/// rather than a timer per actor: actix polls every timer an actor owns each time it handles a
+/// message, and that poll showed in the profile of every admission.
+#[derive(Message, Clone)]
+#[rtype(result = "()")]
+pub struct Tick;
+
+impl Handler<Tick> for TenantActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Tick, ctx: &mut Context<Self>) {
+        self.tick(ctx);
     }
 }
 
@@ -402,9 +417,11 @@ mod tests {
             assert!(matches!(second, AdmitReply::Decided(ref d, _) if !d.is_admitted()));
             // A caller that went away during its hold is taken back off the admitted count.
             shared.tell_existing("acme", CancelLease(a.lease));
+            shared.tick_arbiter(0);
+            // The tick and the report are messages: let the actors handle them.
             let mut total = CallCounts::default();
-            for _ in 0..50 {
-                actix::clock::sleep(Duration::from_millis(100)).await;
+            for _ in 0..100 {
+                actix::clock::sleep(Duration::from_millis(10)).await;
                 for c in reports.lock().drain(..) {
                     total.admitted += c.admitted;
                     total.shed += c.shed;
@@ -420,6 +437,12 @@ mod tests {
                     shed: 1
                 }
             );
+            // Nothing happened since: the next report counts nothing.
+            shared.tick_arbiter(0);
+            actix::clock::sleep(Duration::from_millis(50)).await;
+            let later = reports.lock().clone();
+            assert!(!later.is_empty(), "every tick reports");
+            assert!(later.iter().all(|c| *c == CallCounts::default()));
         });
     }
 
