@@ -20,11 +20,11 @@ use actix::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use metrics::{counter, gauge};
-use smallvec::SmallVec;
 
 use super::histogram::{Histogram, Histograms};
 use super::labels::LabelCap;
 use super::names::*;
+use super::rawindex::{prefetch, RawIndex, RawRef};
 use super::{hash_identity, Batch, DecisionEvent, DecisionKind, Event, TenantEvent};
 use crate::clock::{Clock, NS_PER_SEC};
 use crate::config::{BucketSpec, TelemetryConfig};
@@ -64,64 +64,6 @@ type AdmissionKey = (
     Option<Scope>,
 );
 
-/// Bytes of a [`RawKey`]'s names kept inline; longer keys spill to the heap.
-const RAW_INLINE: usize = 46;
-
-/// A decision's label values as the caller sent them (before capping), with its outcome: the key
-/// of the per-decision cache, so that a decision seen before costs one lookup.
-///
-/// The four names are stored together (each followed by 0xff, a byte no UTF-8 string contains) inside
-/// the table entry itself: a lookup then compares one run of bytes it has already fetched, where four
-/// separately allocated names cost up to four cache misses on a cache of tens of thousands of series.
-#[derive(PartialEq, Eq, Hash)]
-struct RawKey {
-    names: SmallVec<[u8; RAW_INLINE]>,
-    kind: DecisionKind,
-    scope: Option<Scope>,
-}
-
-/// A [`RawKey`] built on the stack from an event, to look it up. Hashes exactly as the key.
-#[derive(Hash)]
-struct RawRef {
-    names: SmallVec<[u8; 128]>,
-    kind: DecisionKind,
-    scope: Option<Scope>,
-}
-
-impl RawRef {
-    fn of(d: &DecisionEvent) -> Self {
-        let mut names = SmallVec::new();
-        for name in [
-            &*d.tenant,
-            &*d.subject,
-            &*d.tool,
-            d.upstream.as_deref().unwrap_or(""),
-        ] {
-            names.extend_from_slice(name.as_bytes());
-            names.push(0xff);
-        }
-        RawRef {
-            names,
-            kind: d.kind,
-            scope: d.scope,
-        }
-    }
-
-    fn to_key(&self) -> RawKey {
-        RawKey {
-            names: SmallVec::from_slice(&self.names),
-            kind: self.kind,
-            scope: self.scope,
-        }
-    }
-}
-
-impl hashbrown::Equivalent<RawKey> for RawRef {
-    fn equivalent(&self, k: &RawKey) -> bool {
-        self.kind == k.kind && self.scope == k.scope && self.names[..] == k.names[..]
-    }
-}
-
 /// Everything a decision with a given [`RawKey`] records into.
 struct DecisionSeries {
     admissions: Arc<AtomicU64>,
@@ -133,19 +75,6 @@ struct DecisionSeries {
 
 /// The (capped) labels of a tool-duration series: tenant, tool, upstream.
 type ToolKey = (Arc<str>, Arc<str>, Arc<str>);
-
-/// Asks the CPU to start loading the cache line at `p` (a hint: nothing is read, any address is fine).
-#[inline]
-fn prefetch<T>(p: *const T) {
-    // SAFETY: a prefetch reads nothing and cannot fault, whatever the address; it is `unsafe` only
-    // because it is an SSE instruction, which every x86_64 CPU has.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
 
 impl DecisionSeries {
     /// Starts loading what [`DecisionSeries::record`] will touch.
@@ -188,7 +117,10 @@ pub struct MetricsActor {
     /// By raw labels: the fast path. Misses go through the label caps and the caches by capped
     /// labels below, so a flood of distinct names (all folded into `__other__`) still finds its
     /// series without a registry lookup.
-    decisions: hashbrown::HashMap<RawKey, DecisionSeries, foldhash::fast::RandomState>,
+    decisions: RawIndex<DecisionSeries>,
+    /// Per-batch scratch: each decision's hash and raw labels, and where it was found.
+    batch_keys: Vec<(u64, RawRef)>,
+    batch_found: Vec<Option<usize>>,
     admissions: Handles<AdmissionKey, Arc<AtomicU64>>,
     waits: Handles<(Arc<str>, Arc<str>), Arc<Histogram>>,
     retries: Handles<(Arc<str>, Scope), Arc<Histogram>>,
@@ -213,7 +145,9 @@ impl MetricsActor {
         gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         counter!(REFUSAL_LOGS_SUPPRESSED).absolute(0);
         MetricsActor {
-            decisions: hashbrown::HashMap::default(),
+            decisions: RawIndex::default(),
+            batch_keys: Vec::new(),
+            batch_found: Vec::new(),
             admissions: Handles::default(),
             waits: Handles::default(),
             retries: Handles::default(),
@@ -315,8 +249,8 @@ impl MetricsActor {
     }
 
     /// The series a decision records into, through the label caps (the slow path: callers look in
-    /// `decisions` first), remembered under the decision's raw labels.
-    fn decision_series(&mut self, d: &DecisionEvent) -> &DecisionSeries {
+    /// `decisions` first), remembered under the decision's raw labels: its entry in `decisions`.
+    fn decision_series(&mut self, d: &DecisionEvent, hash: u64, raw: &RawRef) -> usize {
         let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
         let labels = Labels {
             tenant,
@@ -332,13 +266,7 @@ impl MetricsActor {
                 _ => None,
             },
         };
-        if self.decisions.len() >= HANDLE_CACHE {
-            self.decisions.clear();
-        }
-        self.decisions
-            .entry(RawRef::of(d).to_key())
-            .insert(series)
-            .into_mut()
+        self.decisions.insert(hash, raw.to_key(), series)
     }
 
     fn tool_hist(
@@ -359,38 +287,50 @@ impl MetricsActor {
         h
     }
 
-    fn record(&mut self, ev: &Event) {
-        match ev {
-            Event::Decision(d) => {
-                let scope = d.scope.map_or("none", |s| s.as_str());
-                match self.decisions.get(&RawRef::of(d)) {
-                    Some(series) => series.record(d),
-                    None => self.decision_series(d).record(d),
-                }
-                self.decision_hist
-                    .record(d.decision_ns as f64 / NS_PER_SEC as f64);
-                if d.kind != DecisionKind::Admitted {
-                    if self.throttle.allow(self.clock.mono()) {
-                        tracing::info!(
-                            target: "admitd::refusal",
-                            decision = d.kind.as_str(),
-                            scope,
-                            tenant = %d.tenant,
-                            subject_hash = %hash_identity(&d.subject),
-                            tool = %d.tool,
-                            upstream = d.upstream.as_deref().unwrap_or(NO_UPSTREAM),
-                            cost = d.cost,
-                            retry_after_ms = d.retry_after_ms,
-                            retryable = d.retryable,
-                            call_id = d.call_id.as_deref().unwrap_or(""),
-                            "call refused"
-                        );
-                    } else {
-                        self.suppressed_total += 1;
-                        self.suppressed_recent += 1;
-                    }
-                }
+    /// Records a decision whose raw labels `raw` (hashing to `hash`) were looked up as `found`.
+    fn record_decision(
+        &mut self,
+        d: &DecisionEvent,
+        hash: u64,
+        raw: &RawRef,
+        found: Option<usize>,
+    ) {
+        // Not found may be stale: the same labels may have come earlier in this batch.
+        let entry = match found.or_else(|| self.decisions.find(hash, raw)) {
+            Some(e) => e,
+            None => self.decision_series(d, hash, raw),
+        };
+        self.decisions.get(entry).record(d);
+        let scope = d.scope.map_or("none", |s| s.as_str());
+        self.decision_hist
+            .record(d.decision_ns as f64 / NS_PER_SEC as f64);
+        if d.kind != DecisionKind::Admitted {
+            if self.throttle.allow(self.clock.mono()) {
+                tracing::info!(
+                    target: "admitd::refusal",
+                    decision = d.kind.as_str(),
+                    scope,
+                    tenant = %d.tenant,
+                    subject_hash = %hash_identity(&d.subject),
+                    tool = %d.tool,
+                    upstream = d.upstream.as_deref().unwrap_or(NO_UPSTREAM),
+                    cost = d.cost,
+                    retry_after_ms = d.retry_after_ms,
+                    retryable = d.retryable,
+                    call_id = d.call_id.as_deref().unwrap_or(""),
+                    "call refused"
+                );
+            } else {
+                self.suppressed_total += 1;
+                self.suppressed_recent += 1;
             }
+        }
+    }
+
+    /// Records an event other than a decision.
+    fn record_other(&mut self, ev: &Event) {
+        match ev {
+            Event::Decision(_) => {}
             Event::Release(r) => {
                 let (tenant, _, tool) = self.caps.call(&r.tenant, &r.subject, &r.tool);
                 let upstream = self.upstream_label(&r.upstream);
@@ -520,19 +460,53 @@ impl Handler<Batch> for MetricsActor {
     type Result = ();
 
     fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
-        // With tens of thousands of live series, the counter and histogram a decision adds to are
-        // rarely in cache. A first pass finds each decision's series and asks for that memory, so the
-        // misses overlap instead of each stalling the loop that records.
-        for ev in batch.0.iter() {
+        self.record_batch(&batch.0);
+    }
+}
+
+impl MetricsActor {
+    fn record_batch(&mut self, events: &[Event]) {
+        // Entry numbers stay valid until the index is cleared, so it is cleared only between batches.
+        if self.decisions.len() >= HANDLE_CACHE {
+            self.decisions.clear();
+        }
+        // Look the batch's decisions up in stages, each asking for the memory the next one reads
+        // (slot, entry, then the counter and histogram), so that their cache misses overlap.
+        let mut keys = std::mem::take(&mut self.batch_keys);
+        let mut found = std::mem::take(&mut self.batch_found);
+        keys.clear();
+        found.clear();
+        for ev in events {
             if let Event::Decision(d) = ev {
-                if let Some(series) = self.decisions.get(&RawRef::of(d)) {
-                    series.prefetch();
-                }
+                let raw = RawRef::of(d);
+                let hash = self.decisions.hash(&raw);
+                self.decisions.prefetch_slot(hash);
+                keys.push((hash, raw));
             }
         }
-        for ev in batch.0.iter() {
-            self.record(ev);
+        for (hash, _) in &keys {
+            self.decisions.prefetch_entry(*hash);
         }
+        for (hash, raw) in &keys {
+            let f = self.decisions.find(*hash, raw);
+            if let Some(e) = f {
+                self.decisions.get(e).prefetch();
+            }
+            found.push(f);
+        }
+        let mut next = 0;
+        for ev in events {
+            match ev {
+                Event::Decision(d) => {
+                    let (hash, raw) = &keys[next];
+                    self.record_decision(d, *hash, raw, found[next]);
+                    next += 1;
+                }
+                other => self.record_other(other),
+            }
+        }
+        self.batch_keys = keys;
+        self.batch_found = found;
     }
 }
 
@@ -590,17 +564,19 @@ mod tests {
         metrics::with_local_recorder(&recorder, || {
             let clock = Arc::new(FakeClock::new(0));
             let mut m = MetricsActor::new(&cfg, clock, histograms.clone());
-            for ev in [
+            // One batch, with labels new to the index coming twice in it.
+            m.record_batch(&[
                 decision("acme", "alice", DecisionKind::Admitted),
                 decision("acme", "alice", DecisionKind::Admitted),
                 decision("acme", "bob", DecisionKind::Admitted),
                 decision("acme", "alice", DecisionKind::Shed),
-            ] {
-                m.record(&ev);
-            }
+            ]);
+            assert_eq!(m.decisions.len(), 3, "one entry per distinct raw labels");
+            m.record_batch(&[decision("acme", "alice", DecisionKind::Admitted)]);
+            assert_eq!(m.decisions.len(), 3);
             cfg.max_subjects_per_tenant = 2;
             m.reconfigure(&cfg);
-            m.record(&decision("acme", "bob", DecisionKind::Admitted));
+            m.record_batch(&[decision("acme", "bob", DecisionKind::Admitted)]);
         });
         let mut text = handle.render();
         histograms.render(&mut text);
@@ -611,7 +587,7 @@ mod tests {
         };
         assert_eq!(
             value(&text, &series("alice", "admitted", "none")),
-            Some(2.0),
+            Some(3.0),
             "{text}"
         );
         assert_eq!(
@@ -632,12 +608,12 @@ mod tests {
         );
         let wait =
             "admitd_admission_wait_seconds_bucket{tenant=\"acme\",tool=\"search\",le=\"0.005\"}";
-        assert_eq!(value(&text, wait), Some(4.0), "{text}");
+        assert_eq!(value(&text, wait), Some(5.0), "{text}");
         let retry = "admitd_retry_after_seconds_count{tenant=\"acme\",scope=\"subject\"}";
         assert_eq!(value(&text, retry), Some(1.0), "{text}");
         assert_eq!(
             value(&text, "admitd_decision_duration_seconds_count"),
-            Some(5.0),
+            Some(6.0),
             "{text}"
         );
     }

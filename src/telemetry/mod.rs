@@ -13,6 +13,7 @@ pub mod histogram;
 pub mod labels;
 pub mod metrics;
 pub mod names;
+mod rawindex;
 pub mod spans;
 
 use std::sync::atomic::{AtomicU64, Ordering};
