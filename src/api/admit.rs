@@ -67,10 +67,15 @@ pub async fn admit(
     bytes: bytes::BytesMut,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let start_unix_ns = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+    let traced = app.shared.telemetry.traces();
+    // The wall-clock start only dates spans.
+    let start_unix_ns = match traced {
+        true => SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+        false => 0,
+    };
     let b: AdmitBody = body::parse_json(&bytes)?;
     name_field("tenant", &b.tenant)?;
     name_field("subject", &b.subject)?;
@@ -172,7 +177,7 @@ pub async fn admit(
         headers,
         decision_ns,
         start_unix_ns,
-        shared.telemetry.traces(),
+        traced,
     );
     shared.telemetry.decision(event);
     Ok(response)

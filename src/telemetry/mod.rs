@@ -36,7 +36,11 @@ pub fn hash_identity(s: &str) -> String {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    format!("{h:016x}")
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    (0..16)
+        .rev()
+        .map(|i| HEX[(h >> (i * 4)) as usize & 0xf] as char)
+        .collect()
 }
 
 /// What became of an admission request.
@@ -393,4 +397,17 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         tracer_provider,
         arbiter,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hash_identity;
+
+    #[test]
+    fn identities_hash_to_sixteen_hex_digits_of_fnv1a() {
+        // Published FNV-1a 64 test vectors.
+        assert_eq!(hash_identity(""), "cbf29ce484222325");
+        assert_eq!(hash_identity("a"), "af63dc4c8601ec8c");
+        assert_eq!(hash_identity("foobar"), "85944171f73967e8");
+    }
 }

@@ -139,7 +139,7 @@ impl SpanActor {
         }
         let mut span = self
             .tracer
-            .span_builder(format!("execute_tool {}", d.tool))
+            .span_builder(["execute_tool ", &d.tool].concat())
             .with_kind(SpanKind::Internal)
             .with_start_time(start)
             .with_attributes(attrs)
