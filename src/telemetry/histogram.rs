@@ -79,7 +79,7 @@ pub struct Family {
     name: &'static str,
     labels: &'static [&'static str],
     bounds: &'static [f64],
-    series: Mutex<BTreeMap<Vec<String>, Arc<Histogram>>>,
+    series: Mutex<BTreeMap<Box<str>, Arc<Histogram>>>,
 }
 
 impl Family {
@@ -100,7 +100,7 @@ impl Family {
     /// Callers keep the handle: this takes a lock and allocates the key.
     pub fn series(&self, values: &[&str]) -> Arc<Histogram> {
         debug_assert_eq!(values.len(), self.labels.len());
-        let key: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+        let key = join(values);
         self.series
             .lock()
             .entry(key)
@@ -110,7 +110,7 @@ impl Family {
 
     /// Appends the family in the Prometheus text format (nothing when it has no series yet).
     pub fn render(&self, out: &mut String) {
-        let series: Vec<(Vec<String>, Arc<Histogram>)> = self
+        let series: Vec<(Box<str>, Arc<Histogram>)> = self
             .series
             .lock()
             .iter()
@@ -122,7 +122,7 @@ impl Family {
         let _ = writeln!(out, "# TYPE {} histogram", self.name);
         for (values, h) in series {
             let mut labels = String::new();
-            for (name, value) in self.labels.iter().zip(&values) {
+            for (name, value) in self.labels.iter().zip(split(&values)) {
                 let _ = write!(labels, "{name}=\"");
                 escape_label_value(value, &mut labels);
                 labels.push_str("\",");
@@ -154,7 +154,7 @@ impl Family {
 pub struct CounterFamily {
     name: &'static str,
     labels: &'static [&'static str],
-    series: Mutex<BTreeMap<Vec<String>, Arc<AtomicU64>>>,
+    series: Mutex<BTreeMap<Box<str>, Arc<AtomicU64>>>,
 }
 
 impl CounterFamily {
@@ -170,13 +170,13 @@ impl CounterFamily {
     /// zero on first use.
     pub fn series(&self, values: &[&str]) -> Arc<AtomicU64> {
         debug_assert_eq!(values.len(), self.labels.len());
-        let key: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+        let key = join(values);
         self.series.lock().entry(key).or_default().clone()
     }
 
     /// Appends the family in the Prometheus text format (nothing when it has no series yet).
     pub fn render(&self, out: &mut String) {
-        let series: Vec<(Vec<String>, u64)> = self
+        let series: Vec<(Box<str>, u64)> = self
             .series
             .lock()
             .iter()
@@ -188,7 +188,7 @@ impl CounterFamily {
         let _ = writeln!(out, "# TYPE {} counter", self.name);
         for (values, count) in series {
             let _ = write!(out, "{}", self.name);
-            for (i, (name, value)) in self.labels.iter().zip(&values).enumerate() {
+            for (i, (name, value)) in self.labels.iter().zip(split(&values)).enumerate() {
                 out.push(if i == 0 { '{' } else { ',' });
                 let _ = write!(out, "{name}=\"");
                 escape_label_value(value, out);
@@ -245,6 +245,19 @@ impl Histograms {
             f.render(out);
         }
     }
+}
+
+/// A series' label values as one string, separated by NUL (names cannot contain control characters,
+/// see `config::check_name`, and the other values are admitd's own words): one allocation per series
+/// instead of one per label, which is most of what a series costs with tens of thousands of them.
+fn join(values: &[&str]) -> Box<str> {
+    values.join("\0").into_boxed_str()
+}
+
+/// The label values [`join`] put together (zipped with the label names, so a family without labels
+/// renders none).
+fn split(joined: &str) -> impl Iterator<Item = &str> {
+    joined.split('\0')
 }
 
 /// Label values in the text format escape `\`, `"` and newlines.
