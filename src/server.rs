@@ -67,14 +67,15 @@ async fn run(config: Config) -> Result<(), String> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(workers);
     for (index, arbiter) in arbiters.iter().enumerate() {
-        // The tenant actors living here tick once a second.
+        // The tenant actors living here tick once a second, a tenth of them at a time.
         let ticked = shared.clone();
         arbiter.spawn(async move {
-            let mut tick = tokio::time::interval(crate::actors::TICK);
+            let every = crate::actors::TICK / crate::actors::TICK_SLOTS as u32;
+            let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
+            for slot in 0u64.. {
                 tick.tick().await;
-                ticked.tick_arbiter(index);
+                ticked.tick_arbiter(index, slot);
             }
         });
         // Telemetry events leave a worker in batches (see `Telemetry::batch_this_thread`).

@@ -39,6 +39,9 @@ use crate::telemetry::Telemetry;
 
 const SHARDS: usize = 16;
 
+/// Into how many groups the tenant actors of an arbiter are split for ticking.
+pub const TICK_SLOTS: u64 = 10;
+
 /// How long an admission may wait in a tenant actor's mailbox before it is answered 503 instead of
 /// decided (see [`AdmitReply::Late`]). There is no timer per request: a timer cost a registration and a
 /// removal in the runtime's timer wheel on every call, and with the actor on the caller's own thread it
@@ -154,12 +157,14 @@ impl Shared {
         }
     }
 
-    /// Sends [`Tick`] to every tenant actor living on arbiter `index` (each arbiter runs a ticker that
-    /// calls this every [`TICK`]).
-    pub fn tick_arbiter(&self, index: usize) {
+    /// Sends [`Tick`] to the tenant actors living on arbiter `index` whose generation falls in
+    /// `slot` of [`TICK_SLOTS`]. Each arbiter runs a ticker that calls this every
+    /// [`TICK`] / [`TICK_SLOTS`] with the next slot, so every actor ticks once per [`TICK`] and the
+    /// ticks of a thousand tenants are spread over the second instead of stalling calls all at once.
+    pub fn tick_arbiter(&self, index: usize, slot: u64) {
         for shard in &self.shards {
-            for (_, arbiter, addr) in shard.read().values() {
-                if *arbiter == index {
+            for (generation, arbiter, addr) in shard.read().values() {
+                if *arbiter == index && generation % TICK_SLOTS == slot % TICK_SLOTS {
                     addr.do_send(Tick);
                 }
             }

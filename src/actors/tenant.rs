@@ -365,6 +365,10 @@ mod tests {
 
     impl Actor for Reports {
         type Context = Context<Self>;
+
+        fn started(&mut self, ctx: &mut Context<Self>) {
+            ctx.set_mailbox_capacity(1024);
+        }
     }
 
     impl Handler<crate::telemetry::Batch> for Reports {
@@ -417,7 +421,9 @@ mod tests {
             assert!(matches!(second, AdmitReply::Decided(ref d, _) if !d.is_admitted()));
             // A caller that went away during its hold is taken back off the admitted count.
             shared.tell_existing("acme", CancelLease(a.lease));
-            shared.tick_arbiter(0);
+            for slot in 0..super::super::TICK_SLOTS {
+                shared.tick_arbiter(0, slot);
+            }
             // The tick and the report are messages: let the actors handle them.
             let mut total = CallCounts::default();
             for _ in 0..100 {
@@ -438,11 +444,49 @@ mod tests {
                 }
             );
             // Nothing happened since: the next report counts nothing.
-            shared.tick_arbiter(0);
+            for slot in 0..super::super::TICK_SLOTS {
+                shared.tick_arbiter(0, slot);
+            }
             actix::clock::sleep(Duration::from_millis(50)).await;
             let later = reports.lock().clone();
             assert!(!later.is_empty(), "every tick reports");
             assert!(later.iter().all(|c| *c == CallCounts::default()));
+        });
+    }
+
+    #[test]
+    fn each_tick_slot_reaches_its_tenth_of_the_actors_and_a_round_reaches_all() {
+        actix::System::new().block_on(async {
+            let clock = Arc::new(FakeClock::new(0));
+            let reports = Arc::new(parking_lot::Mutex::new(Vec::new()));
+            let sink = Reports(reports.clone()).start().recipient();
+            let shared = Shared::new(
+                Config::default(),
+                clock.clone(),
+                Telemetry::to_recipient(sink),
+                vec![actix::Arbiter::current()],
+            );
+            // Generations are handed out from 1 in order of creation.
+            for t in 0..20 {
+                let admit = Admit {
+                    req: req(),
+                    sent: clock.mono(),
+                };
+                shared.ask(&format!("t{t}"), admit).await.unwrap();
+            }
+            let settle = || actix::clock::sleep(Duration::from_millis(50));
+            shared.tick_arbiter(0, 3);
+            settle().await;
+            assert_eq!(reports.lock().len(), 2, "generations 3 and 13");
+            reports.lock().clear();
+            for slot in 10..20 {
+                shared.tick_arbiter(0, slot);
+            }
+            settle().await;
+            assert_eq!(reports.lock().len(), 20, "a round of slots ticks every actor once");
+            shared.tick_arbiter(0, 0);
+            settle().await;
+            assert_eq!(reports.lock().len(), 22);
         });
     }
 
