@@ -40,7 +40,7 @@ use crate::telemetry::Telemetry;
 const SHARDS: usize = 16;
 
 /// Into how many groups the tenant actors of an arbiter are split for ticking.
-pub const TICK_SLOTS: u64 = 10;
+pub const TICK_SLOTS: u64 = 50;
 
 /// How long an admission may wait in a tenant actor's mailbox before it is answered 503 instead of
 /// decided (see [`AdmitReply::Late`]). There is no timer per request: a timer cost a registration and a

@@ -455,7 +455,7 @@ mod tests {
     }
 
     #[test]
-    fn each_tick_slot_reaches_its_tenth_of_the_actors_and_a_round_reaches_all() {
+    fn each_tick_slot_reaches_its_share_of_the_actors_and_a_round_reaches_all() {
         actix::System::new().block_on(async {
             let clock = Arc::new(FakeClock::new(0));
             let reports = Arc::new(parking_lot::Mutex::new(Vec::new()));
@@ -467,7 +467,9 @@ mod tests {
                 vec![actix::Arbiter::current()],
             );
             // Generations are handed out from 1 in order of creation.
-            for t in 0..20 {
+            let slots = super::super::TICK_SLOTS;
+            let n = 2 * slots + 5;
+            for t in 0..n {
                 let admit = Admit {
                     req: req(),
                     sent: clock.mono(),
@@ -477,16 +479,29 @@ mod tests {
             let settle = || actix::clock::sleep(Duration::from_millis(50));
             shared.tick_arbiter(0, 3);
             settle().await;
-            assert_eq!(reports.lock().len(), 2, "generations 3 and 13");
+            assert_eq!(
+                reports.lock().len(),
+                3,
+                "generations 3, 3 + slots, 3 + 2 slots"
+            );
             reports.lock().clear();
-            for slot in 10..20 {
+            for slot in slots..2 * slots {
                 shared.tick_arbiter(0, slot);
             }
             settle().await;
-            assert_eq!(reports.lock().len(), 20, "a round of slots ticks every actor once");
+            let all = n as usize;
+            assert_eq!(
+                reports.lock().len(),
+                all,
+                "a round of slots ticks every actor once"
+            );
             shared.tick_arbiter(0, 0);
             settle().await;
-            assert_eq!(reports.lock().len(), 22);
+            assert_eq!(
+                reports.lock().len(),
+                all + 2,
+                "generations slots and 2 slots"
+            );
         });
     }
 
