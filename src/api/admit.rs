@@ -64,7 +64,7 @@ impl Drop for HoldGuard<'_> {
 pub async fn admit(
     app: &Arc<App>,
     headers: &HeaderMap,
-    bytes: bytes::BytesMut,
+    bytes: bytes::Bytes,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let traced = app.shared.telemetry.traces();

@@ -3,7 +3,7 @@
 //! The body is read as a stream and cut off at 64 KiB whether or not the client sent a
 //! `Content-Length`, so neither a lying header nor a chunked upload can make the daemon buffer more.
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
 use warp::http::{HeaderMap, StatusCode};
@@ -52,16 +52,30 @@ pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Reads at most [`MAX_BODY`] bytes.
-pub async fn read_limited<S, B>(mut stream: S) -> Result<BytesMut, ApiError>
+/// Reads at most [`MAX_BODY`] bytes. A body that arrives in one piece (the usual case) is taken
+/// as it is, without copying.
+pub async fn read_limited<S, B>(mut stream: S) -> Result<Bytes, ApiError>
 where
     S: Stream<Item = Result<B, warp::Error>> + Unpin,
     B: Buf,
 {
-    let mut buf = BytesMut::new();
-    while let Some(chunk) = stream.next().await {
-        let mut chunk = chunk
-            .map_err(|e| ApiError::invalid(format!("could not read the request body: {e}")))?;
+    let read_error =
+        |e: warp::Error| ApiError::invalid(format!("could not read the request body: {e}"));
+    let Some(first) = stream.next().await else {
+        return Ok(Bytes::new());
+    };
+    let mut first = first.map_err(read_error)?;
+    if first.remaining() > MAX_BODY {
+        return Err(too_large());
+    }
+    let first = first.copy_to_bytes(first.remaining());
+    let Some(second) = stream.next().await else {
+        return Ok(first);
+    };
+    let mut buf = BytesMut::from(&first[..]);
+    let mut next = Some(second);
+    while let Some(chunk) = next {
+        let mut chunk = chunk.map_err(read_error)?;
         if buf.len() + chunk.remaining() > MAX_BODY {
             return Err(too_large());
         }
@@ -71,8 +85,9 @@ where
             buf.extend_from_slice(part);
             chunk.advance(n);
         }
+        next = stream.next().await;
     }
-    Ok(buf)
+    Ok(buf.freeze())
 }
 
 /// Parses a JSON body, naming the problem and where it is.
@@ -145,6 +160,34 @@ mod tests {
             &read_limited(futures_util::stream::iter(ok)).await.unwrap()[..],
             b"{}"
         );
+        // In pieces: put together in order, and cut at the limit however it is split.
+        let pieces: Vec<Result<bytes::Bytes, warp::Error>> = ["{\"a\"", ":", "1}"]
+            .into_iter()
+            .map(|p| Ok(bytes::Bytes::from_static(p.as_bytes())))
+            .collect();
+        assert_eq!(
+            &read_limited(futures_util::stream::iter(pieces))
+                .await
+                .unwrap()[..],
+            b"{\"a\":1}"
+        );
+        let one_big: Vec<Result<bytes::Bytes, warp::Error>> =
+            vec![Ok(bytes::Bytes::from(vec![b' '; MAX_BODY + 1]))];
+        let e = read_limited(futures_util::stream::iter(one_big))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, "body_too_large");
+        let exactly: Vec<Result<bytes::Bytes, warp::Error>> = vec![
+            Ok(bytes::Bytes::from(vec![b' '; MAX_BODY - 1])),
+            Ok(bytes::Bytes::from_static(b" ")),
+        ];
+        let body = read_limited(futures_util::stream::iter(exactly)).await;
+        assert_eq!(body.unwrap().len(), MAX_BODY);
+        let none: Vec<Result<bytes::Bytes, warp::Error>> = vec![];
+        assert!(read_limited(futures_util::stream::iter(none))
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     #[test]

@@ -154,7 +154,7 @@ where
     }
 }
 
-async fn json_body<S, B>(headers: &HeaderMap, body: S) -> Result<bytes::BytesMut, ApiError>
+async fn json_body<S, B>(headers: &HeaderMap, body: S) -> Result<bytes::Bytes, ApiError>
 where
     S: Stream<Item = Result<B, warp::Error>> + Unpin,
     B: Buf,
@@ -221,7 +221,7 @@ struct ReleaseBody {
     duration_ms: Option<f64>,
 }
 
-async fn release(app: &Arc<App>, bytes: bytes::BytesMut) -> Result<Response, ApiError> {
+async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiError> {
     let b: ReleaseBody = body::parse_json(&bytes)?;
     let outcome = Outcome::parse(&b.outcome).ok_or_else(|| {
         ApiError::invalid(format!(
@@ -288,7 +288,7 @@ struct FeedbackBody {
     retry_after: Option<RetryAfterValue>,
 }
 
-async fn feedback(app: &Arc<App>, bytes: bytes::BytesMut) -> Result<Response, ApiError> {
+async fn feedback(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiError> {
     let b: FeedbackBody = body::parse_json(&bytes)?;
     name_field("tenant", &b.tenant)?;
     name_field("upstream", &b.upstream)?;
