@@ -32,8 +32,9 @@ pub use tenant::{
     TenantActor, Tick, TICK,
 };
 
-use crate::clock::Clock;
+use crate::clock::{Clock, Nanos};
 use crate::config::Config;
+use crate::engine::AdmitRequest;
 use crate::engine::SharedBudgets;
 use crate::telemetry::Telemetry;
 
@@ -189,6 +190,49 @@ impl Shared {
         }
         let (generation, addr) = self.tenant_or_start(tenant);
         (generation, addr.send(msg))
+    }
+
+    /// Asks the tenant's actor (starting it if needed) to admit a call, retrying on an actor that
+    /// stopped before it answered, as [`Shared::ask`] does.
+    pub async fn admit(
+        self: &Arc<Self>,
+        tenant: &str,
+        req: AdmitRequest,
+        sent: Nanos,
+    ) -> Result<AdmitReply, AskError> {
+        for _ in 0..4 {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let msg = Admit {
+                req: req.clone(),
+                sent,
+                reply,
+            };
+            let generation = self.post_admit(tenant, msg);
+            match answer.await {
+                Ok(r) => return Ok(r),
+                // The actor stopped with the call in its mailbox; make sure its entry is gone.
+                Err(_) => self.registry_remove(tenant, generation),
+            }
+        }
+        Err(AskError::Unavailable)
+    }
+
+    /// Posts an admission to the tenant's actor, starting it if needed; returns its generation. The
+    /// message goes in while the registry is read, so the address is not cloned.
+    fn post_admit(self: &Arc<Self>, tenant: &str, msg: Admit) -> u64 {
+        let map = self.shard(tenant).read();
+        match map.get(tenant) {
+            Some((g, _, a)) => {
+                a.do_send(msg);
+                *g
+            }
+            None => {
+                drop(map);
+                let (generation, addr) = self.tenant_or_start(tenant);
+                addr.do_send(msg);
+                generation
+            }
+        }
     }
 
     /// Sends `msg` to the tenant's actor (starting it if needed), retrying on an actor that stopped

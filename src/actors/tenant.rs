@@ -179,13 +179,19 @@ impl Handler<Tick> for TenantActor {
     }
 }
 
-/// Admit a call (see [`TenantEngine::admit`]).
-#[derive(Message, Clone)]
-#[rtype(result = "AdmitReply")]
+/// Admit a call (see [`TenantEngine::admit`]). Sent with `do_send` and answered on `reply` (see
+/// [`super::Shared::admit`]), which lets the actor skip a call whose caller went away while it
+/// waited in the mailbox, and give back an admission whose caller went away before the answer
+/// arrived. `do_send` does not wait for mailbox space; the mailbox is bounded anyway, by one call
+/// per open connection (each waits for its answer), and calls that waited longer than
+/// [`super::ASK_TIMEOUT`] are answered at once without being decided.
+#[derive(Message)]
+#[rtype(result = "()")]
 pub struct Admit {
     pub req: AdmitRequest,
     /// When the request was sent, on the shared clock's monotonic scale.
     pub sent: Nanos,
+    pub reply: oneshot::Sender<AdmitReply>,
 }
 
 /// The answer to [`Admit`].
@@ -203,23 +209,37 @@ pub enum AdmitReply {
     },
 }
 
-impl<A: Actor, M: Message<Result = AdmitReply>> actix::dev::MessageResponse<A, M> for AdmitReply {
-    fn handle(self, _: &mut A::Context, tx: Option<actix::dev::OneshotSender<M::Result>>) {
-        if let Some(tx) = tx {
-            let _ = tx.send(self);
+impl Handler<Admit> for TenantActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) {
+        if msg.reply.is_closed() {
+            // The caller went away while the call waited in the mailbox: nothing to decide.
+            return;
+        }
+        let reply = self.decide(&msg.req, msg.sent, ctx);
+        if let Err(AdmitReply::Decided(d, _)) = msg.reply.send(reply) {
+            // The caller went away meanwhile: give back what the admission took.
+            if let Verdict::Admitted(a) = &d.verdict {
+                let (now, wall) = self.now();
+                if let Ok(granted) = self.engine.cancel_lease(a.lease, now, wall) {
+                    if a.would_shed.is_none() {
+                        self.calls.admitted -= 1;
+                    }
+                    self.deliver(granted);
+                }
+            }
         }
     }
 }
 
-impl Handler<Admit> for TenantActor {
-    type Result = AdmitReply;
-
-    fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) -> AdmitReply {
+impl TenantActor {
+    fn decide(&mut self, req: &AdmitRequest, sent: Nanos, ctx: &mut Context<Self>) -> AdmitReply {
         let (now, wall) = self.now();
-        if now.saturating_sub(msg.sent) > super::ASK_TIMEOUT.as_nanos() as u64 {
+        if now.saturating_sub(sent) > super::ASK_TIMEOUT.as_nanos() as u64 {
             return AdmitReply::Late;
         }
-        match self.engine.admit(&msg.req, now, wall) {
+        match self.engine.admit(req, now, wall) {
             AdmitResult::Decided(d) => {
                 self.count(truly_admitted(&d));
                 AdmitReply::Decided(d, self.engine.tenant().clone())
@@ -401,23 +421,20 @@ mod tests {
                 Telemetry::to_recipient(sink),
                 vec![actix::Arbiter::current()],
             );
-            let admit = |subject: &str| Admit {
-                req: AdmitRequest {
-                    subject: subject.into(),
-                    ..req()
-                },
-                sent: clock.mono(),
+            let on = |subject: &str| AdmitRequest {
+                subject: subject.into(),
+                ..req()
             };
             // One admitted; a second call finds the tenant's only slot taken and, allowed no wait, is
             // shed at once.
-            let first = shared.ask("acme", admit("a")).await.unwrap();
+            let first = shared.admit("acme", on("a"), clock.mono()).await.unwrap();
             let AdmitReply::Decided(d, _) = first else {
                 panic!("decided at once")
             };
             let Verdict::Admitted(a) = d.verdict else {
                 panic!("admitted")
             };
-            let second = shared.ask("acme", admit("b")).await.unwrap();
+            let second = shared.admit("acme", on("b"), clock.mono()).await.unwrap();
             assert!(matches!(second, AdmitReply::Decided(ref d, _) if !d.is_admitted()));
             // A caller that went away during its hold is taken back off the admitted count.
             shared.tell_existing("acme", CancelLease(a.lease));
@@ -470,11 +487,8 @@ mod tests {
             let slots = super::super::TICK_SLOTS;
             let n = 2 * slots + 5;
             for t in 0..n {
-                let admit = Admit {
-                    req: req(),
-                    sent: clock.mono(),
-                };
-                shared.ask(&format!("t{t}"), admit).await.unwrap();
+                let tenant = format!("t{t}");
+                shared.admit(&tenant, req(), clock.mono()).await.unwrap();
             }
             let settle = || actix::clock::sleep(Duration::from_millis(50));
             shared.tick_arbiter(0, 3);
@@ -505,6 +519,35 @@ mod tests {
         });
     }
 
+    #[test]
+    fn a_call_whose_caller_has_gone_before_its_turn_is_not_decided() {
+        actix::System::new().block_on(async {
+            let clock = Arc::new(FakeClock::new(0));
+            let shared = Shared::new(
+                Config::default(),
+                clock.clone(),
+                Telemetry::default(),
+                vec![actix::Arbiter::current()],
+            );
+            // Start the actor, then post a call whose receiver is already gone.
+            shared.admit("acme", req(), clock.mono()).await.unwrap();
+            let (reply, answer) = oneshot::channel();
+            drop(answer);
+            let (_, addr) = shared.tenant_or_start("acme");
+            addr.do_send(Admit {
+                req: req(),
+                sent: clock.mono(),
+                reply,
+            });
+            actix::clock::sleep(Duration::from_millis(20)).await;
+            let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
+            assert!(
+                matches!(snapshot, Some(Some(s)) if s.leases == 1),
+                "only the first call holds a lease"
+            );
+        });
+    }
+
     fn req() -> AdmitRequest {
         AdmitRequest {
             subject: "s".into(),
@@ -529,21 +572,13 @@ mod tests {
             let limit = super::super::ASK_TIMEOUT.as_nanos() as u64;
             let now = clock.mono();
 
-            let late = Admit {
-                req: req(),
-                sent: now - limit - 1,
-            };
-            let reply = shared.ask("acme", late).await.unwrap();
+            let reply = shared.admit("acme", req(), now - limit - 1).await.unwrap();
             assert!(matches!(reply, AdmitReply::Late));
             // Nothing was spent: the tenant holds no state at all.
             let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
             assert!(matches!(snapshot, Some(None)));
 
-            let in_time = Admit {
-                req: req(),
-                sent: now - limit,
-            };
-            let reply = shared.ask("acme", in_time).await.unwrap();
+            let reply = shared.admit("acme", req(), now - limit).await.unwrap();
             assert!(matches!(reply, AdmitReply::Decided(ref d, ref t) if d.is_admitted() && &**t == "acme"));
             let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
             assert!(matches!(snapshot, Some(Some(s)) if s.leases == 1));

@@ -15,7 +15,7 @@ use warp::reply::Response;
 
 use super::error::ApiError;
 use super::{body, json, lease, name_field, App};
-use crate::actors::{Admit, AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Shared};
+use crate::actors::{AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Shared};
 use crate::clock::{ceil_ms, ceil_secs};
 use crate::config::Mode;
 use crate::engine::refusal::whole_seconds;
@@ -123,7 +123,7 @@ pub async fn admit(
         waiter: None,
     };
     let sent = shared.clock.mono();
-    let reply = shared.ask(tenant, Admit { req, sent }).await?;
+    let reply = shared.admit(tenant, req, sent).await?;
     // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
     let decision_ns = started.elapsed().as_nanos() as u64;
     let (decision, tenant_name) = match reply {
