@@ -137,34 +137,9 @@ impl<V> RawIndex<V> {
         }
     }
 
-    /// The entry number of the first slot on `hash`'s probe sequence with that exact hash.
-    fn candidate(&self, hash: u64) -> Option<usize> {
-        if self.slots.is_empty() {
-            return None;
-        }
-        let mask = self.slots.len() - 1;
-        let mut i = self.home(hash);
-        loop {
-            let s = self.slots[i];
-            if s.entry == 0 {
-                return None;
-            }
-            if s.hash == hash {
-                return Some(s.entry as usize - 1);
-            }
-            i = (i + 1) & mask;
-        }
-    }
-
-    /// Stage two: read the slot and start loading the entry it points to.
-    pub fn prefetch_entry(&self, hash: u64) {
-        if let Some(e) = self.candidate(hash) {
-            prefetch(&self.entries[e]);
-        }
-    }
-
-    /// Stage three: the entry number of `r`, whose hash is `hash`.
-    pub fn find(&self, hash: u64, r: &RawRef) -> Option<usize> {
+    /// The first entry on `hash`'s probe sequence stored under that exact hash and accepted by
+    /// `accept`.
+    fn probe(&self, hash: u64, accept: impl Fn(usize) -> bool) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
@@ -176,11 +151,25 @@ impl<V> RawIndex<V> {
                 return None;
             }
             let e = s.entry as usize - 1;
-            if s.hash == hash && r.matches(&self.entries[e].1) {
+            if s.hash == hash && accept(e) {
                 return Some(e);
             }
             i = (i + 1) & mask;
         }
+    }
+
+    /// Stage two: read the slot and start loading the entry it points to (reading only slots, not
+    /// entries, so the first entry with the same hash; a different key with the same 64-bit hash
+    /// only costs a useless prefetch).
+    pub fn prefetch_entry(&self, hash: u64) {
+        if let Some(e) = self.probe(hash, |_| true) {
+            prefetch(&self.entries[e]);
+        }
+    }
+
+    /// Stage three: the entry number of `r`, whose hash is `hash`.
+    pub fn find(&self, hash: u64, r: &RawRef) -> Option<usize> {
+        self.probe(hash, |e| r.matches(&self.entries[e].1))
     }
 
     pub fn get(&self, entry: usize) -> &V {
