@@ -6,8 +6,11 @@
 //! slot frees (release, cancellation, lease expiry) or the deadline passes (a timer per waiter). A call
 //! whose receiver is gone by then gets everything it took handed back at once.
 //!
-//! The actor stops itself once its state is back at rest and it has been idle for `idle_ttl`, removing
-//! itself from the registry first, so memory follows the set of tenants that are actually active.
+//! Once a second its arbiter's ticker sends it [`Tick`]: it expires leases, prunes resting state and
+//! reports its gauges together with the calls it answered since the last report (what the shed-ratio
+//! alerts count). The actor stops itself once its state is back at rest and it has been idle for
+//! `idle_ttl`, removing itself from the registry first, so memory follows the set of tenants that are
+//! actually active.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -3,9 +3,10 @@
 //! It runs on the telemetry arbiter, away from the workers, so recording (label capping, registry
 //! lookups, formatting log lines) never adds to an admission's latency. Label values pass through
 //! [`LabelCap`] first, so the number of series stays bounded; what a decision records into is then
-//! remembered under its raw labels, so a decision seen before costs one map lookup. Counters and
-//! gauges go to the Prometheus exporter, histograms to admitd's own fixed-bucket ones
-//! ([`super::histogram`]).
+//! remembered under its raw labels ([`super::rawindex`]), where a batch of decisions is looked up
+//! in stages that prefetch for each other. The series recorded on every decision (the admissions
+//! counter and the histograms) are admitd's own ([`super::histogram`]); the other counters and the
+//! gauges go to the Prometheus exporter.
 //!
 //! The refusal log writes one JSON line per shed (target `admitd::refusal`: scope, tool, upstream,
 //! tenant, hashed subject, cost, retry_after_ms, call_id), throttled by a token bucket of
