@@ -3,7 +3,7 @@
 //! It runs on the telemetry arbiter, away from the workers, so recording (label capping, registry
 //! lookups, formatting log lines) never adds to an admission's latency. Label values pass through
 //! [`LabelCap`] first, so the number of series stays bounded; what a decision records into is then
-//! remembered under its raw labels ([`super::rawindex`]), where a batch of decisions is looked up
+//! remembered under its raw labels (the index in `rawindex.rs`), where a batch of decisions is looked up
 //! in stages that prefetch for each other. The series recorded on every decision (the admissions
 //! counter and the histograms) are admitd's own ([`super::histogram`]); the other counters and the
 //! gauges go to the Prometheus exporter.
