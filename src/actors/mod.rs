@@ -117,14 +117,6 @@ impl Shared {
         &self.shards[(Self::hash(tenant) as usize) % SHARDS]
     }
 
-    /// The tenant's actor, if it is running.
-    pub fn tenant(&self, tenant: &str) -> Option<Addr<TenantActor>> {
-        self.shard(tenant)
-            .read()
-            .get(tenant)
-            .map(|(_, _, a)| a.clone())
-    }
-
     /// The tenant's actor, started on its arbiter if it is not running: its generation and address.
     pub fn tenant_or_start(self: &Arc<Self>, tenant: &str) -> (u64, Addr<TenantActor>) {
         if let Some((g, _, a)) = self.shard(tenant).read().get(tenant) {
