@@ -67,7 +67,7 @@ async fn run(config: Config) -> Result<(), String> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(workers);
     for (index, arbiter) in arbiters.iter().enumerate() {
-        // The tenant actors living here tick once a second, a fiftieth of them at a time.
+        // The tenant actors living here tick once a second, one registry shard at a time.
         let ticked = shared.clone();
         arbiter.spawn(async move {
             let every = crate::actors::TICK / crate::actors::TICK_SLOTS as u32;

@@ -38,10 +38,11 @@ use crate::engine::AdmitRequest;
 use crate::engine::SharedBudgets;
 use crate::telemetry::Telemetry;
 
-const SHARDS: usize = 16;
+/// Registry shards; also the groups the tenant actors are ticked in (see [`Shared::tick_arbiter`]).
+const SHARDS: usize = 64;
 
-/// Into how many groups the tenant actors of an arbiter are split for ticking.
-pub const TICK_SLOTS: u64 = 50;
+/// Into how many groups the tenant actors of an arbiter are split for ticking: one per shard.
+pub const TICK_SLOTS: u64 = SHARDS as u64;
 
 /// How long an admission may wait in a tenant actor's mailbox before it is answered 503 instead of
 /// decided (see [`AdmitReply::Late`]). There is no timer per request: a timer cost a registration and a
@@ -150,18 +151,24 @@ impl Shared {
         }
     }
 
-    /// Sends [`Tick`] to the tenant actors living on arbiter `index` whose generation falls in
-    /// `slot` of [`TICK_SLOTS`]. Each arbiter runs a ticker that calls this every
-    /// [`TICK`] / [`TICK_SLOTS`] with the next slot, so every actor ticks once per [`TICK`] and the
-    /// ticks of a thousand tenants are spread over the second instead of stalling calls all at once.
+    /// Sends [`Tick`] to the tenant actors living on arbiter `index` in registry shard `slot` (modulo
+    /// [`TICK_SLOTS`]). Each arbiter runs a ticker that calls this every [`TICK`] / [`TICK_SLOTS`]
+    /// with the next slot, so every actor ticks once per [`TICK`], the ticks of many tenants are
+    /// spread over the second instead of stalling calls all at once, and each call reads one shard
+    /// only, so ticking costs the same per tenant however many tenants there are.
     pub fn tick_arbiter(&self, index: usize, slot: u64) {
-        for shard in &self.shards {
-            for (generation, arbiter, addr) in shard.read().values() {
-                if *arbiter == index && generation % TICK_SLOTS == slot % TICK_SLOTS {
-                    addr.do_send(Tick);
-                }
+        let shard = &self.shards[(slot % TICK_SLOTS) as usize];
+        for (_, arbiter, addr) in shard.read().values() {
+            if *arbiter == index {
+                addr.do_send(Tick);
             }
         }
+    }
+
+    /// The tick slot of a tenant's actor (its registry shard).
+    #[cfg(test)]
+    pub(crate) fn tick_slot(tenant: &str) -> u64 {
+        (Self::hash(tenant) as usize % SHARDS) as u64
     }
 
     /// Number of live tenant actors.
