@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::dev::Request;
 use actix::prelude::*;
 use actix::ArbiterHandle;
 use arc_swap::ArcSwap;
@@ -176,19 +175,23 @@ impl Shared {
         self.shards.iter().map(|s| s.read().len()).sum()
     }
 
-    /// Posts `msg` to the tenant's actor, starting it if needed; returns the actor's generation and the
-    /// pending answer. The message goes in while the registry is read, so the address is not cloned.
-    fn post<M>(self: &Arc<Self>, tenant: &str, msg: M) -> (u64, Request<TenantActor, M>)
-    where
-        M: Message + Send + 'static,
-        M::Result: Send,
-        TenantActor: Handler<M>,
-    {
-        if let Some((g, _, a)) = self.shard(tenant).read().get(tenant) {
-            return (*g, a.send(msg));
+    /// Hands the tenant's actor (started if needed) to `post`; returns the actor's generation and what
+    /// `post` returned. A running actor is reached while the registry is read, so its address is not
+    /// cloned.
+    fn with_actor<R>(
+        self: &Arc<Self>,
+        tenant: &str,
+        post: impl FnOnce(&Addr<TenantActor>) -> R,
+    ) -> (u64, R) {
+        let map = self.shard(tenant).read();
+        match map.get(tenant) {
+            Some((g, _, a)) => (*g, post(a)),
+            None => {
+                drop(map);
+                let (generation, addr) = self.tenant_or_start(tenant);
+                (generation, post(&addr))
+            }
         }
-        let (generation, addr) = self.tenant_or_start(tenant);
-        (generation, addr.send(msg))
     }
 
     /// Asks the tenant's actor (starting it if needed) to admit a call, retrying on an actor that
@@ -206,7 +209,7 @@ impl Shared {
                 sent,
                 reply,
             };
-            let generation = self.post_admit(tenant, msg);
+            let (generation, ()) = self.with_actor(tenant, |a| a.do_send(msg));
             match answer.await {
                 Ok(r) => return Ok(r),
                 // The actor stopped with the call in its mailbox; make sure its entry is gone.
@@ -214,24 +217,6 @@ impl Shared {
             }
         }
         Err(AskError::Unavailable)
-    }
-
-    /// Posts an admission to the tenant's actor, starting it if needed; returns its generation. The
-    /// message goes in while the registry is read, so the address is not cloned.
-    fn post_admit(self: &Arc<Self>, tenant: &str, msg: Admit) -> u64 {
-        let map = self.shard(tenant).read();
-        match map.get(tenant) {
-            Some((g, _, a)) => {
-                a.do_send(msg);
-                *g
-            }
-            None => {
-                drop(map);
-                let (generation, addr) = self.tenant_or_start(tenant);
-                addr.do_send(msg);
-                generation
-            }
-        }
     }
 
     /// Sends `msg` to the tenant's actor (starting it if needed), retrying on an actor that stopped
@@ -244,7 +229,7 @@ impl Shared {
         TenantActor: Handler<M>,
     {
         for _ in 0..4 {
-            let (generation, answer) = self.post(tenant, msg.clone());
+            let (generation, answer) = self.with_actor(tenant, |a| a.send(msg.clone()));
             match answer.await {
                 Ok(r) => return Ok(r),
                 Err(MailboxError::Timeout) => return Err(AskError::Timeout),

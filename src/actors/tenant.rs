@@ -85,6 +85,18 @@ impl TenantActor {
         }
     }
 
+    /// Ends the lease of an admission whose caller went away before the answer reached it, giving back
+    /// what it took; returns the decisions of queued calls that got the freed slot.
+    fn give_back(&mut self, d: &Decision) -> Vec<(u64, Decision)> {
+        let Verdict::Admitted(a) = &d.verdict else {
+            return Vec::new();
+        };
+        let (now, wall) = self.now();
+        self.engine
+            .cancel_lease(a.lease, now, wall)
+            .unwrap_or_default()
+    }
+
     /// Hands decisions to queued callers. A caller that has gone away gets its lease cancelled, which may
     /// in turn let the next queued call in.
     fn deliver(&mut self, mut granted: Vec<(u64, Decision)>) {
@@ -95,14 +107,7 @@ impl TenantActor {
             let admitted = truly_admitted(&decision);
             match tx.send(decision) {
                 Ok(()) => self.count(admitted),
-                Err(decision) => {
-                    if let Verdict::Admitted(a) = &decision.verdict {
-                        let (now, wall) = self.now();
-                        if let Ok(more) = self.engine.cancel_lease(a.lease, now, wall) {
-                            granted.extend(more);
-                        }
-                    }
-                }
+                Err(decision) => granted.extend(self.give_back(&decision)),
             }
         }
     }
@@ -222,16 +227,13 @@ impl Handler<Admit> for TenantActor {
         }
         let reply = self.decide(&msg.req, msg.sent, ctx);
         if let Err(AdmitReply::Decided(d, _)) = msg.reply.send(reply) {
-            // The caller went away meanwhile: give back what the admission took.
-            if let Verdict::Admitted(a) = &d.verdict {
-                let (now, wall) = self.now();
-                if let Ok(granted) = self.engine.cancel_lease(a.lease, now, wall) {
-                    if a.would_shed.is_none() {
-                        self.calls.admitted -= 1;
-                    }
-                    self.deliver(granted);
-                }
+            // The caller went away meanwhile: it was counted as answered, but was not.
+            match truly_admitted(&d) {
+                true => self.calls.admitted -= 1,
+                false => self.calls.shed = self.calls.shed.saturating_sub(1),
             }
+            let granted = self.give_back(&d);
+            self.deliver(granted);
         }
     }
 }
