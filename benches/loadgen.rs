@@ -47,7 +47,9 @@ target
   --url URL            server to load; http://127.0.0.1 only (default http://127.0.0.1:9470)
   --floor              start the floor in this process and load it instead of --url
   --floor-only [PORT]  only serve the floor on 127.0.0.1:PORT (default 9471) until killed
-                       or --lifetime seconds pass
+                       or --lifetime seconds pass. The floor also takes OTLP/HTTP span exports
+                       at POST /v1/traces (and counts them at GET /v1/traces/received), to
+                       measure span export against a collector that answers
   --floor-threads N    floor worker threads (default: the CPUs this process may run on)
   --lifetime SECS      the floor stops by itself after this long (default 3600)
 
@@ -1005,7 +1007,28 @@ fn floor_routes() -> impl Filter<Extract = (impl warp::Reply,), Error = warp::Re
             let released = !req.lease_id.is_empty() && !req.outcome.is_empty();
             warp::reply::json(&serde_json::json!({ "released": released }))
         });
-    admit.or(release)
+    // A stand-in OTLP/HTTP collector, so span export can be measured against one that answers: it
+    // takes any body and answers an empty ExportTraceServiceResponse (an empty protobuf message).
+    let received = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+    let r = received.clone();
+    let traces = warp::post()
+        .and(warp::path!("v1" / "traces"))
+        .and(warp::body::content_length_limit(64 << 20))
+        .and(warp::body::bytes())
+        .map(move |body: bytes::Bytes| {
+            r.0.fetch_add(1, Ordering::Relaxed);
+            r.1.fetch_add(body.len() as u64, Ordering::Relaxed);
+            warp::reply::with_header(Vec::<u8>::new(), "content-type", "application/x-protobuf")
+        });
+    let traces_received = warp::get()
+        .and(warp::path!("v1" / "traces" / "received"))
+        .map(move || {
+            warp::reply::json(&serde_json::json!({
+                "requests": received.0.load(Ordering::Relaxed),
+                "bytes": received.1.load(Ordering::Relaxed),
+            }))
+        });
+    admit.or(release).or(traces).or(traces_received)
 }
 
 fn floor_runtime(threads: usize) -> io::Result<tokio::runtime::Runtime> {

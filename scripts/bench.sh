@@ -12,7 +12,9 @@
 # requests/s for the open-loop runs; SERVER_CPU [0] and CLIENT_CPU [1] cores; PORT [19470],
 # FLOOR_PORT [19471], RSS_PORT [19472]; OUT [target/bench] for results; SKIP_BUILD=1 to use what is
 # built; SKIP_RSS=1 to skip the memory measurement; TELEMETRY_ROUNDS [3] rounds of telemetry off / on /
-# on with OTLP export to CLOSED_PORT [9], where nothing may listen (0 rounds skips them).
+# on with OTLP export to CLOSED_PORT [9], where nothing may listen / on with OTLP export to a collector
+# that answers (a second floor process on the client core, COLLECTOR_PORT [19473]), every span and
+# SAMPLE_RATIO [0.1] of them (0 rounds skips them).
 #
 # Output: a Markdown table on stdout and in $OUT/results.md, one JSON line per run in
 # $OUT/results.jsonl, admitd's log in $OUT/admitd.log.
@@ -29,6 +31,8 @@ PORT=${PORT:-19470}
 FLOOR_PORT=${FLOOR_PORT:-19471}
 RSS_PORT=${RSS_PORT:-19472}
 CLOSED_PORT=${CLOSED_PORT:-9}
+COLLECTOR_PORT=${COLLECTOR_PORT:-19473}
+SAMPLE_RATIO=${SAMPLE_RATIO:-0.1}
 TELEMETRY_ROUNDS=${TELEMETRY_ROUNDS:-3}
 OUT=${OUT:-target/bench}
 CLK_TCK=$(getconf CLK_TCK 2>/dev/null || echo 100)
@@ -98,6 +102,9 @@ EOF
 # (a collector that is down must not slow admissions).
 { cat "$work/throughput.toml"; printf '\n[telemetry]\nenabled = false\n'; } >"$work/telemetry-off.toml"
 { cat "$work/throughput.toml"; printf '\n[telemetry.otlp]\nendpoint = "http://127.0.0.1:%s/v1/traces"\n' "$CLOSED_PORT"; } >"$work/telemetry-otlp.toml"
+# ... and to a collector that answers, with every span and with a share of them.
+{ cat "$work/throughput.toml"; printf '\n[telemetry.otlp]\nendpoint = "http://127.0.0.1:%s/v1/traces"\n' "$COLLECTOR_PORT"; } >"$work/telemetry-live.toml"
+{ cat "$work/telemetry-live.toml"; printf 'sample_ratio = %s\n' "$SAMPLE_RATIO"; } >"$work/telemetry-sampled.toml"
 
 # A subject bucket that refills one token per hour, so a subject that made one call keeps state for an
 # hour (a full bucket is resting state and may be dropped); tenants stay alive as long.
@@ -194,25 +201,45 @@ stop "$floor_pid"
 
 # ---- what telemetry costs -------------------------------------------------------------------------
 
-# Closed c=64 against admitd with telemetry off, on, and on with OTLP export to a closed port; the three
-# alternate for TELEMETRY_ROUNDS rounds, each round starting with the next one, so that the machine's
-# drift hits them alike.
+# Closed c=64 against admitd with telemetry off, on, on with OTLP export to a closed port, and on with
+# OTLP export to a collector that answers (every span; SAMPLE_RATIO of them). The variants alternate
+# for TELEMETRY_ROUNDS rounds, each round starting with the next one, so that the machine's drift hits
+# them alike. The collector runs on the client core: its work is not admitd's.
+spans_line=""
 if ((have_admitd)) && ((TELEMETRY_ROUNDS > 0)); then
-    variants=(off on otlp)
+    taskset -c "$CLIENT_CPU" "$LOADGEN" --floor-only "$COLLECTOR_PORT" --floor-threads 1 --lifetime 1800 \
+        >"$work/collector.log" 2>&1 &
+    collector_pid=$!
+    started+=("$collector_pid")
+    wait_http "http://127.0.0.1:$COLLECTOR_PORT/v1/traces/received" ||
+        { echo "bench.sh: the collector did not start" >&2; exit 1; }
+    variants=(off on otlp live sampled)
+    n=${#variants[@]}
     for round in $(seq "$TELEMETRY_ROUNDS"); do
-        for i in 0 1 2; do
-            variant=${variants[$(((i + round - 1) % 3))]}
+        for i in $(seq 0 $((n - 1))); do
+            variant=${variants[$(((i + round - 1) % n))]}
             case $variant in
                 off) cfg=$work/telemetry-off.toml ;;
                 on) cfg=$work/throughput.toml ;;
                 otlp) cfg=$work/telemetry-otlp.toml ;;
+                live) cfg=$work/telemetry-live.toml ;;
+                sampled) cfg=$work/telemetry-sampled.toml ;;
             esac
             if start_admitd "$PORT" "$cfg"; then
                 load "telemetry $variant #$round" "$PORT" "$admitd_pid" --connections 64
+                if [[ $variant == live && $round == 1 ]]; then
+                    # Proof that spans were exported, not dropped: what the collector received and
+                    # what admitd counted as dropped in this run.
+                    dropped=$(curl -s --max-time 5 "http://127.0.0.1:$PORT/metrics" |
+                        awk '/^admitd_spans_dropped_total/ { s += $2 } END { print s + 0 }')
+                    got=$(curl -s --max-time 5 "http://127.0.0.1:$COLLECTOR_PORT/v1/traces/received")
+                    spans_line="span export, first live run: collector received $got (all runs so far); admitd dropped $dropped spans"
+                fi
                 stop "$admitd_pid"
             fi
         done
     done
+    stop "$collector_pid"
 fi
 
 # ---- memory per idle subject ----------------------------------------------------------------------
@@ -273,8 +300,11 @@ fi
         def stats(v): [.[] | select(.label | startswith("telemetry " + v + " #")) | .rps] | sort
             | select(length > 0) | {best: .[-1], median: .[(length / 2 | floor)]};
         (stats("off")) as $off
-        | ["on", "otlp"][] as $v | (stats($v)) as $s
+        | {on: "on", otlp: "on + OTLP to a closed port", live: "on + OTLP to a collector, every span",
+           sampled: "on + OTLP to a collector, sample_ratio '"$SAMPLE_RATIO"'"} as $names
+        | ["on", "otlp", "live", "sampled"][] as $v | (stats($v)) as $s
         | select($off != null and $s != null)
-        | "telemetry \(if $v == "on" then "on" else "on + OTLP to a closed port" end) / off throughput: best \(($s.best / $off.best * 100 | round) / 100), median \(($s.median / $off.median * 100 | round) / 100)"' "$OUT/results.jsonl"
+        | "telemetry \($names[$v]) / off throughput: best \(($s.best / $off.best * 100 | round) / 100), median \(($s.median / $off.median * 100 | round) / 100)"' "$OUT/results.jsonl"
+    [[ -n $spans_line ]] && echo "$spans_line"
     echo "$rss_line"
 } | tee "$OUT/results.md"

@@ -19,7 +19,7 @@ use crate::actors::{GlobalActor, Shared};
 use crate::api::{self, App};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
-use crate::telemetry::{self, spans};
+use crate::telemetry;
 
 /// Runs the daemon until SIGTERM or SIGINT. Errors are start-up failures, worded for the operator.
 pub fn serve(config: Config) -> Result<(), String> {
@@ -131,8 +131,9 @@ async fn run(config: Config) -> Result<(), String> {
     }
     if let Some(telemetry) = telemetry {
         telemetry.arbiter.stop();
-        if let Some(provider) = telemetry.tracer_provider {
-            spans::shutdown(provider);
+        if let Some(exporter) = telemetry.span_exporter {
+            // The span actor ends its open spans as it stops; wait for their export.
+            exporter.shutdown(Duration::from_secs(3));
         }
     }
     Ok(())

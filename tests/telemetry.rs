@@ -367,6 +367,59 @@ fn a_collector_that_is_down_does_not_slow_admissions() {
 }
 
 #[test]
+fn spans_flow_again_once_a_collector_that_was_down_comes_back() {
+    // A port nobody listens on yet.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 1\n[telemetry.otlp]\nendpoint = \"http://{addr}/v1/traces\"\n"
+    ));
+    let shed = |id: &str| {
+        let a = d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "search", "call_id": id, "max_wait_ms": 0}));
+        assert!(a.status == 200 || a.status == 429, "{}", a.status);
+    };
+    shed("early-1"); // admitted: its span stays open with the lease
+    shed("early-2"); // shed: its span ends at once
+                     // The first export fails (nothing listens): admitd says so once and counts the dropped spans.
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            d.log_lines()
+                .iter()
+                .any(|l| l.contains("OTLP span export failed"))
+        }),
+        "no log line about the failed export"
+    );
+    let text = d.get("/metrics").body.as_str().unwrap().to_string();
+    assert!(
+        metric(
+            &text,
+            "admitd_spans_dropped_total{reason=\"export_failed\"}"
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{text}"
+    );
+    let collector = Recorder::start_at(&addr);
+    // Export resumes at the next probe (pauses grow 1 s, 2 s, 4 s ... while it stays down).
+    let mut n = 0;
+    let arrived = eventually(Duration::from_secs(20), || {
+        n += 1;
+        shed(&format!("late-{n}"));
+        received_spans(&collector).iter().any(|(s, _)| {
+            attr_str(&s.attributes, "gen_ai.tool.call.id").is_some_and(|id| id.starts_with("late-"))
+        })
+    });
+    assert!(arrived, "no span arrived after the collector came back");
+    assert!(d
+        .log_lines()
+        .iter()
+        .any(|l| l.contains("OTLP span export works again")));
+}
+
+#[test]
 fn a_tenant_whose_calls_are_mostly_shed_raises_an_alert_that_clears() {
     let am = Recorder::start();
     let d = Daemon::start(&format!(

@@ -409,7 +409,7 @@ fn answer(
         decision_ns,
         call_id,
         traceparent,
-        lease_id: None,
+        lease: None,
         start_unix_ns,
     };
     let mut response = match &d.verdict {
@@ -442,7 +442,7 @@ fn answer(
             };
             let r = super::json_response(StatusCode::OK, write_admitted(&body));
             if traced {
-                event.lease_id = Some(lease_id);
+                event.lease = Some(a.lease);
             }
             r
         }

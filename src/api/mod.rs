@@ -274,7 +274,7 @@ async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiErr
         retry_after: retry_after.map(|r| r.1),
         penalty_ms: released.penalty.map(|d| d.as_millis() as u64),
         duration_ms,
-        lease_id: b.lease_id,
+        lease,
     });
     Ok(json(StatusCode::OK, &serde_json::json!({"released": true})))
 }

@@ -265,6 +265,9 @@ pub struct TelemetryConfig {
 pub struct OtlpConfig {
     pub endpoint: String,
     pub service_name: String,
+    /// Share of root admissions (no caller trace) that get a span, 0 to 1. Calls whose caller sent a
+    /// `traceparent` follow the caller's sampled flag.
+    pub sample_ratio: f64,
 }
 
 /// `[alerts]`.
@@ -556,6 +559,7 @@ struct RawTelemetry {
 struct RawOtlp {
     endpoint: Option<S<String>>,
     service_name: Option<S<String>>,
+    sample_ratio: Option<S<f64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1030,10 +1034,30 @@ impl Validator<'_> {
                     None => None,
                 };
                 if endpoint.is_none() {
-                    if let Some(s) = &o.service_name {
-                        return self.err(s.span(), "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
+                    let set = o
+                        .service_name
+                        .as_ref()
+                        .map(|s| s.span())
+                        .or_else(|| o.sample_ratio.as_ref().map(|r| r.span()));
+                    if let Some(span) = set {
+                        return self.err(span, "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
                     }
                 }
+                let sample_ratio = match o.sample_ratio {
+                    Some(v) => {
+                        let r = *v.get_ref();
+                        if !(0.0..=1.0).contains(&r) {
+                            return self.err(
+                                v.span(),
+                                format!(
+                                    "telemetry.otlp.sample_ratio must be between 0 and 1, not {r}"
+                                ),
+                            );
+                        }
+                        r
+                    }
+                    None => 1.0,
+                };
                 let service_name = o
                     .service_name
                     .map(|s| s.into_inner())
@@ -1041,6 +1065,7 @@ impl Validator<'_> {
                 cfg.telemetry.otlp = endpoint.map(|endpoint| OtlpConfig {
                     endpoint,
                     service_name,
+                    sample_ratio,
                 });
             }
         }
@@ -1281,6 +1306,34 @@ min_calls = 100
         assert!(
             e.starts_with("cfg.toml:2: limits.global.daily_quota is not supported"),
             "{e}"
+        );
+        let e = err("[telemetry.otlp]\nsample_ratio = 0.5\n");
+        assert!(
+            e.starts_with("cfg.toml:2: [telemetry.otlp] has no endpoint"),
+            "{e}"
+        );
+        let e = err("[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nsample_ratio = 1.5\n");
+        assert!(
+            e.starts_with(
+                "cfg.toml:3: telemetry.otlp.sample_ratio must be between 0 and 1, not 1.5"
+            ),
+            "{e}"
+        );
+        let c = Config::parse(
+            "cfg.toml",
+            "[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nsample_ratio = 0.25\n",
+        )
+        .unwrap();
+        assert_eq!(c.telemetry.otlp.unwrap().sample_ratio, 0.25);
+        let c = Config::parse(
+            "cfg.toml",
+            "[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.telemetry.otlp.unwrap().sample_ratio,
+            1.0,
+            "every span by default"
         );
         let e = err("[telemetry.otlp]\nservice_name = \"x\"\n");
         assert!(

@@ -544,7 +544,7 @@ mod tests {
             decision_ns: 30_000,
             call_id: None,
             traceparent: None,
-            lease_id: None,
+            lease: None,
             start_unix_ns: 0,
         })
     }

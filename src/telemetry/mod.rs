@@ -31,11 +31,21 @@ pub const MAILBOX: usize = 65_536;
 /// A stable pseudonym for an identity in logs and spans (FNV-1a 64, hex). Not a secret: it keeps
 /// credential subjects out of log pipelines while letting operators correlate lines.
 pub fn hash_identity(s: &str) -> String {
+    hex16(fnv1a(s))
+}
+
+/// FNV-1a 64 of a string: the number [`hash_identity`] spells.
+pub fn fnv1a(s: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in s.bytes() {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
+    h
+}
+
+/// A 64-bit number as 16 lower-case hex digits.
+pub fn hex16(h: u64) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     (0..16)
         .rev()
@@ -79,7 +89,9 @@ pub struct DecisionEvent {
     pub decision_ns: u64,
     pub call_id: Option<String>,
     pub traceparent: Option<String>,
-    pub lease_id: Option<String>,
+    /// The lease number of an admitted call, only when spans are exported (spans of live leases
+    /// are found by tenant and number).
+    pub lease: Option<u64>,
     /// Wall-clock start of the request (Unix ns), for spans.
     pub start_unix_ns: u128,
 }
@@ -96,7 +108,8 @@ pub struct ReleaseEvent {
     pub retry_after: Option<String>,
     pub penalty_ms: Option<u64>,
     pub duration_ms: Option<u64>,
-    pub lease_id: String,
+    /// The released lease's number (unique within its tenant).
+    pub lease: u64,
 }
 
 /// An upstream answer reported outside a lease.
@@ -322,7 +335,8 @@ pub struct Started {
     pub render_metrics: Arc<dyn Fn() -> String + Send + Sync>,
     /// Renders `GET /v1/alerts`.
     pub render_alerts: Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
-    pub tracer_provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+    /// The OTLP export thread, when spans are exported.
+    pub span_exporter: Option<spans::Exporter>,
     pub arbiter: Arbiter,
 }
 
@@ -338,8 +352,8 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     ::metrics::set_global_recorder(recorder)
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
 
-    let tracer_provider = match &cfg.telemetry.otlp {
-        Some(otlp) => Some(spans::provider(otlp)?),
+    let span_exporter = match &cfg.telemetry.otlp {
+        Some(otlp) => Some(spans::start(otlp, clock.clone())?),
         None => None,
     };
 
@@ -363,10 +377,14 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
             recipient: alerts_addr.clone().recipient(),
         },
     ];
-    if let Some(p) = &tracer_provider {
-        let (p, sclock, ttl) = (p.clone(), clock.clone(), cfg.server.lease_ttl);
-        let spans_addr =
-            spans::SpanActor::start_in_arbiter(&h, move |_| spans::SpanActor::new(&p, sclock, ttl));
+    if let (Some(exporter), Some(otlp)) = (&span_exporter, &cfg.telemetry.otlp) {
+        let actor = spans::SpanActor::new(
+            exporter,
+            otlp.sample_ratio,
+            clock.clone(),
+            cfg.server.lease_ttl,
+        );
+        let spans_addr = spans::SpanActor::start_in_arbiter(&h, move |_| actor);
         sinks.push(Sink {
             recipient: spans_addr.recipient(),
         });
@@ -376,7 +394,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         dropped: Arc::new(AtomicU64::new(0)),
         metrics: Some(metrics_addr),
         alerts: Some(alerts_addr),
-        traces: tracer_provider.is_some(),
+        traces: span_exporter.is_some(),
     };
     let dropped = telemetry.dropped.clone();
     let render_metrics = Arc::new(move || {
@@ -394,7 +412,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         telemetry,
         render_metrics,
         render_alerts,
-        tracer_provider,
+        span_exporter,
         arbiter,
     })
 }

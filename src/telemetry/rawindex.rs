@@ -229,7 +229,7 @@ mod tests {
             decision_ns: 0,
             call_id: None,
             traceparent: None,
-            lease_id: None,
+            lease: None,
             start_unix_ns: 0,
         }
     }

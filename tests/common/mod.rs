@@ -199,7 +199,12 @@ pub struct Recorder {
 
 impl Recorder {
     pub fn start() -> Recorder {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind recorder");
+        Self::start_at("127.0.0.1:0")
+    }
+
+    /// A recorder on a given address (for a collector that starts late).
+    pub fn start_at(addr: &str) -> Recorder {
+        let listener = std::net::TcpListener::bind(addr).expect("bind recorder");
         let addr = listener.local_addr().unwrap().to_string();
         let requests = Arc::new(Mutex::new(Vec::new()));
         let reqs = requests.clone();
