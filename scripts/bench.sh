@@ -201,7 +201,9 @@ stop "$floor_pid"
 
 # ---- what telemetry costs -------------------------------------------------------------------------
 
-# Closed c=64 against admitd with telemetry off, on, on with OTLP export to a closed port, and on with
+# Admit + release pairs at c=64 (so that every admitted call's span ends and is exported, as in
+# production, where tools finish) against admitd with telemetry off, on, on with OTLP export to a
+# closed port, and on with
 # OTLP export to a collector that answers (every span; SAMPLE_RATIO of them). The variants alternate
 # for TELEMETRY_ROUNDS rounds, each round starting with the next one, so that the machine's drift hits
 # them alike. The collector runs on the client core: its work is not admitd's.
@@ -226,7 +228,7 @@ if ((have_admitd)) && ((TELEMETRY_ROUNDS > 0)); then
                 sampled) cfg=$work/telemetry-sampled.toml ;;
             esac
             if start_admitd "$PORT" "$cfg"; then
-                load "telemetry $variant #$round" "$PORT" "$admitd_pid" --connections 64
+                load "telemetry $variant #$round" "$PORT" "$admitd_pid" --connections 64 --mode admit-release
                 if [[ $variant == live && $round == 1 ]]; then
                     # Proof that spans were exported, not dropped: what the collector received and
                     # what admitd counted as dropped in this run.

@@ -413,6 +413,11 @@ fn spans_flow_again_once_a_collector_that_was_down_comes_back() {
         })
     });
     assert!(arrived, "no span arrived after the collector came back");
+    let text = d.get("/metrics").body.as_str().unwrap().to_string();
+    assert!(
+        metric(&text, "admitd_spans_exported_total").unwrap_or(0.0) >= 1.0,
+        "{text}"
+    );
     assert!(d
         .log_lines()
         .iter()

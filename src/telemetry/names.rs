@@ -24,6 +24,7 @@ pub const ALERT_FIRING: &str = "admitd_alert_firing";
 pub const TENANT_ACTORS: &str = "admitd_tenant_actors";
 pub const EVENTS_DROPPED: &str = "admitd_telemetry_events_dropped_total";
 pub const SPANS_DROPPED: &str = "admitd_spans_dropped_total";
+pub const SPANS_EXPORTED: &str = "admitd_spans_exported_total";
 pub const REFUSAL_LOGS_SUPPRESSED: &str = "admitd_refusal_logs_suppressed_total";
 pub const BUILD_INFO: &str = "admitd_build_info";
 

@@ -576,6 +576,9 @@ impl<'a, E: SpanExporter> ExportState<'a, E> {
     fn export(&mut self, data: Vec<SpanData>, n: usize, now: Nanos) {
         match futures_executor::block_on(self.exporter.export(data)) {
             Ok(()) => {
+                if n > 0 {
+                    ::metrics::counter!(names::SPANS_EXPORTED).increment(n as u64);
+                }
                 if self.backoff.succeeded() {
                     self.pause.set(None);
                     tracing::info!(endpoint = self.endpoint, "OTLP span export works again");
