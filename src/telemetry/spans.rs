@@ -934,6 +934,15 @@ mod tests {
         }
     }
 
+    /// An admitted call holding `lease`.
+    fn admit(a: &mut SpanActor, tenant: &str, lease: u64) {
+        a.handle_events(&[Event::Decision(decision(
+            tenant,
+            DecisionKind::Admitted,
+            Some(lease),
+        ))]);
+    }
+
     fn release(tenant: &str, lease: u64, status: Option<u16>) -> Arc<ReleaseEvent> {
         Arc::new(ReleaseEvent {
             tenant: Arc::from(tenant),
@@ -1088,19 +1097,11 @@ mod tests {
     fn leases_never_released_end_with_lease_expired_and_open_spans_end_when_the_actor_goes() {
         let clock = FakeClock::new(0);
         let (mut a, rx) = actor(&clock, 1.0);
-        a.handle_events(&[Event::Decision(decision(
-            "acme",
-            DecisionKind::Admitted,
-            Some(1),
-        ))]);
+        admit(&mut a, "acme", 1);
         clock.advance(Duration::from_secs(14));
         a.sweep();
         assert!(exported(&mut a, &rx).is_empty(), "within lease TTL + 5 s");
-        a.handle_events(&[Event::Decision(decision(
-            "acme",
-            DecisionKind::Admitted,
-            Some(2),
-        ))]);
+        admit(&mut a, "acme", 2);
         clock.advance(Duration::from_secs(2));
         a.sweep();
         let spans = exported(&mut a, &rx);
@@ -1146,11 +1147,7 @@ mod tests {
     fn while_export_is_paused_new_spans_are_not_recorded_but_open_ones_still_end() {
         let clock = FakeClock::new(0);
         let (mut a, rx) = actor(&clock, 1.0);
-        a.handle_events(&[Event::Decision(decision(
-            "acme",
-            DecisionKind::Admitted,
-            Some(1),
-        ))]);
+        admit(&mut a, "acme", 1);
         a.paused.set(Some(clock.mono() + NS_PER_SEC));
         a.handle_events(&[
             Event::Decision(decision("acme", DecisionKind::Shed, None)),
