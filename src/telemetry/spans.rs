@@ -110,9 +110,9 @@ fn hex(digits: &[u8]) -> Option<u128> {
 /// (OpenTelemetry's `TraceIdRatioBased` rule on the low 64 bits of the trace id).
 #[derive(Debug, Clone, Copy)]
 pub struct Sampler {
-    /// Root traces whose low 63 trace-id bits are below this are sampled.
+    /// Root traces whose low 64 trace-id bits, shifted right by one, are below this are sampled
+    /// (2^63 at ratio 1: every trace).
     bound: u64,
-    all: bool,
 }
 
 impl Sampler {
@@ -124,14 +124,13 @@ impl Sampler {
         };
         Sampler {
             bound: (ratio * (1u64 << 63) as f64) as u64,
-            all: ratio >= 1.0,
         }
     }
 
     pub fn sampled(&self, parent: Option<Parent>, trace_id: u128) -> bool {
         match parent {
             Some(p) => p.sampled,
-            None => self.all || ((trace_id as u64) >> 1) < self.bound,
+            None => ((trace_id as u64) >> 1) < self.bound,
         }
     }
 }
