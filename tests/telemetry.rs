@@ -425,6 +425,42 @@ fn spans_flow_again_once_a_collector_that_was_down_comes_back() {
 }
 
 #[test]
+fn spans_past_max_spans_per_second_are_counted_not_exported() {
+    let collector = Recorder::start();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 1\n[telemetry.otlp]\nendpoint = \"http://{}/v1/traces\"\nmax_spans_per_second = 5\n",
+        collector.addr
+    ));
+    let started = Instant::now();
+    for i in 0..40 {
+        let a = d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "search", "call_id": format!("c-{i}"), "max_wait_ms": 0}));
+        assert!(a.status == 200 || a.status == 429, "{}", a.status);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let limited = || {
+        let text = d.get("/metrics").body.as_str().unwrap().to_string();
+        metric(&text, "admitd_spans_dropped_total{reason=\"rate_limited\"}").unwrap_or(0.0) as usize
+    };
+    // Every call was sampled: each one is either a span that reaches the collector (the one admitted
+    // call's span when its lease ends) or counted as rate limited.
+    assert!(
+        eventually(Duration::from_secs(10), || limited()
+            + received_spans(&collector).len()
+            >= 39),
+        "spans received {}, rate limited {}",
+        received_spans(&collector).len(),
+        limited()
+    );
+    let exported_or_open = 40 - limited();
+    // A burst of one second's worth, then 5 a second (and the open span, if it was not counted yet).
+    let allowed = 5 + (elapsed * 5.0).ceil() as usize + 1;
+    assert!(
+        (5..=allowed).contains(&exported_or_open),
+        "{exported_or_open} spans in {elapsed:.2} s, at most {allowed} allowed"
+    );
+}
+
+#[test]
 fn a_tenant_whose_calls_are_mostly_shed_raises_an_alert_that_clears() {
     let am = Recorder::start();
     let d = Daemon::start(&format!(

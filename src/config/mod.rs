@@ -260,6 +260,11 @@ pub struct TelemetryConfig {
     pub enabled: bool,
 }
 
+/// Spans recorded per second at most, by default: every call of a daemon deciding at a few hundred
+/// calls a second gets one, and a busy daemon spends at most a few percent of a core on spans and
+/// does not flood its collector (exporting a span costs a few microseconds; docs/BENCHMARKS.md).
+pub const DEFAULT_MAX_SPANS_PER_SECOND: u32 = 1000;
+
 /// `[telemetry.otlp]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OtlpConfig {
@@ -268,6 +273,9 @@ pub struct OtlpConfig {
     /// Share of root admissions (no caller trace) that get a span, 0 to 1. Calls whose caller sent a
     /// `traceparent` follow the caller's sampled flag.
     pub sample_ratio: f64,
+    /// Spans recorded per second at most, over every call (a bucket holding one second of them);
+    /// 0: no limit. Calls past it get no span and are counted as dropped (`rate_limited`).
+    pub max_spans_per_second: u32,
 }
 
 /// `[alerts]`.
@@ -560,6 +568,7 @@ struct RawOtlp {
     endpoint: Option<S<String>>,
     service_name: Option<S<String>>,
     sample_ratio: Option<S<f64>>,
+    max_spans_per_second: Option<S<i64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1038,7 +1047,8 @@ impl Validator<'_> {
                         .service_name
                         .as_ref()
                         .map(|s| s.span())
-                        .or_else(|| o.sample_ratio.as_ref().map(|r| r.span()));
+                        .or_else(|| o.sample_ratio.as_ref().map(|r| r.span()))
+                        .or_else(|| o.max_spans_per_second.as_ref().map(|r| r.span()));
                     if let Some(span) = set {
                         return self.err(span, "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
                     }
@@ -1058,6 +1068,12 @@ impl Validator<'_> {
                     }
                     None => 1.0,
                 };
+                let max_spans_per_second = match o.max_spans_per_second {
+                    Some(v) => {
+                        self.count("telemetry.otlp.max_spans_per_second", &v, 0, 10_000_000)? as u32
+                    }
+                    None => DEFAULT_MAX_SPANS_PER_SECOND,
+                };
                 let service_name = o
                     .service_name
                     .map(|s| s.into_inner())
@@ -1066,6 +1082,7 @@ impl Validator<'_> {
                     endpoint,
                     service_name,
                     sample_ratio,
+                    max_spans_per_second,
                 });
             }
         }
@@ -1330,10 +1347,26 @@ min_calls = 100
             "[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\n",
         )
         .unwrap();
-        assert_eq!(
-            c.telemetry.otlp.unwrap().sample_ratio,
-            1.0,
-            "every span by default"
+        let otlp = c.telemetry.otlp.unwrap();
+        assert_eq!(otlp.sample_ratio, 1.0, "every call is sampled by default");
+        assert_eq!(otlp.max_spans_per_second, 1000, "up to 1000 spans a second");
+        let c = Config::parse(
+            "cfg.toml",
+            "[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nmax_spans_per_second = 0\n",
+        )
+        .unwrap();
+        assert_eq!(c.telemetry.otlp.unwrap().max_spans_per_second, 0);
+        let e = err("[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nmax_spans_per_second = -5\n");
+        assert!(
+            e.starts_with("cfg.toml:3: telemetry.otlp.max_spans_per_second must be a whole number from 0 to 10000000, not -5"),
+            "{e}"
+        );
+        let e = err("[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nmax_spans_per_second = 2.5\n");
+        assert!(e.starts_with("cfg.toml:3:"), "{e}");
+        let e = err("[telemetry.otlp]\nmax_spans_per_second = 10\n");
+        assert!(
+            e.starts_with("cfg.toml:2: [telemetry.otlp] has no endpoint"),
+            "{e}"
         );
         let e = err("[telemetry.otlp]\nservice_name = \"x\"\n");
         assert!(

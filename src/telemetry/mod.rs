@@ -378,12 +378,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         },
     ];
     if let (Some(exporter), Some(otlp)) = (&span_exporter, &cfg.telemetry.otlp) {
-        let actor = spans::SpanActor::new(
-            exporter,
-            otlp.sample_ratio,
-            clock.clone(),
-            cfg.server.lease_ttl,
-        );
+        let actor = spans::SpanActor::new(exporter, otlp, clock.clone(), cfg.server.lease_ttl);
         let spans_addr = spans::SpanActor::start_in_arbiter(&h, move |_| actor);
         sinks.push(Sink {
             recipient: spans_addr.recipient(),

@@ -11,7 +11,10 @@
 //! # Sampling
 //! Parent-based, as OpenTelemetry's default `parentbased_traceidratio` sampler: a call whose caller
 //! sent a `traceparent` gets a span exactly when the caller's trace is sampled, and other calls by
-//! `[telemetry.otlp] sample_ratio` of their trace id (1.0, every call, by default).
+//! `[telemetry.otlp] sample_ratio` of their trace id (1.0, every call, by default). Sampled calls then
+//! spend a place in the span budget (`max_spans_per_second`, default 1000, a burst of one second's
+//! worth); calls past it get no span and are counted as dropped (`rate_limited`), so a flood of calls
+//! costs a bounded amount of CPU and collector traffic.
 //!
 //! # Cost
 //! Spans are the most expensive telemetry admitd has (an OTLP span with its attributes is a few
@@ -131,6 +134,47 @@ impl Sampler {
         match parent {
             Some(p) => p.sampled,
             None => ((trace_id as u64) >> 1) < self.bound,
+        }
+    }
+}
+
+/// At most `per_sec` spans a second, as a token bucket holding one second of them, so a burst of
+/// calls after a quiet spell gets its spans and a sustained flood gets `per_sec` of them a second.
+/// Exporting a span costs a few microseconds of CPU on the daemon and more on the collector; without
+/// a limit a daemon deciding tens of thousands of calls a second would spend a fifth of a core on them.
+#[derive(Debug, Clone)]
+pub struct SpanBudget {
+    /// 0: no limit.
+    per_sec: u32,
+    tokens: f64,
+    last: Nanos,
+}
+
+impl SpanBudget {
+    pub fn new(per_sec: u32, now: Nanos) -> Self {
+        SpanBudget {
+            per_sec,
+            tokens: f64::from(per_sec),
+            last: now,
+        }
+    }
+
+    /// Takes one span's place at monotonic time `now`; false when this second's spans are spent.
+    pub fn take(&mut self, now: Nanos) -> bool {
+        if self.per_sec == 0 {
+            return true;
+        }
+        let rate = f64::from(self.per_sec);
+        if now > self.last {
+            let refill = (now - self.last) as f64 * rate / NS_PER_SEC as f64;
+            self.tokens = (self.tokens + refill).min(rate);
+            self.last = now;
+        }
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
         }
     }
 }
@@ -641,6 +685,11 @@ pub struct SpanActor {
     clock: Arc<dyn Clock>,
     lease_ttl: Duration,
     sampler: Sampler,
+    budget: SpanBudget,
+    /// Monotonic time of the batch being handled.
+    now: Nanos,
+    /// Sampled calls of the batch being handled that got no span because the budget was spent.
+    over_budget: usize,
     ids: Ids,
     open: hashbrown::HashMap<OpenKey, (Box<AdmissionSpan>, Nanos), foldhash::fast::RandomState>,
     finished: Vec<Finished>,
@@ -652,14 +701,14 @@ pub struct SpanActor {
 impl SpanActor {
     pub fn new(
         exporter: &Exporter,
-        sample_ratio: f64,
+        cfg: &OtlpConfig,
         clock: Arc<dyn Clock>,
         lease_ttl: Duration,
     ) -> Self {
         Self::with_sender(
             exporter.sender(),
             exporter.paused.clone(),
-            sample_ratio,
+            cfg,
             clock,
             lease_ttl,
         )
@@ -668,14 +717,18 @@ impl SpanActor {
     fn with_sender(
         to_export: SyncSender<Vec<Finished>>,
         paused: Pause,
-        sample_ratio: f64,
+        cfg: &OtlpConfig,
         clock: Arc<dyn Clock>,
         lease_ttl: Duration,
     ) -> Self {
+        let now = clock.mono();
         SpanActor {
             clock,
             lease_ttl,
-            sampler: Sampler::new(sample_ratio),
+            sampler: Sampler::new(cfg.sample_ratio),
+            budget: SpanBudget::new(cfg.max_spans_per_second, now),
+            now,
+            over_budget: 0,
             ids: Ids::seeded(),
             open: Default::default(),
             finished: Vec::with_capacity(EXPORT_BATCH),
@@ -715,6 +768,10 @@ impl SpanActor {
             None => u128::from(self.ids.next()) << 64 | u128::from(self.ids.next()),
         };
         if !self.sampler.sampled(parent, trace_id) {
+            return;
+        }
+        if !self.budget.take(self.now) {
+            self.over_budget += 1;
             return;
         }
         let start_ns = d.start_unix_ns.min(u128::from(u64::MAX)) as u64;
@@ -765,6 +822,10 @@ impl SpanActor {
         if !self.sampler.sampled(None, trace_id) {
             return;
         }
+        if !self.budget.take(self.now) {
+            self.over_budget += 1;
+            return;
+        }
         let span_id = self.ids.next();
         self.finish(Finished(FinishedKind::Feedback {
             trace_id,
@@ -809,7 +870,8 @@ impl SpanActor {
     fn handle_events(&mut self, events: &[Event]) {
         // While export fails, new spans would only be dropped: record none (spans already open still
         // end, and their export probes whether the collector is back).
-        let record = !self.paused.active(self.clock.mono());
+        self.now = self.clock.mono();
+        let record = !self.paused.active(self.now);
         let mut skipped = 0;
         for ev in events {
             match ev {
@@ -821,6 +883,7 @@ impl SpanActor {
             }
         }
         count_dropped("paused", skipped);
+        count_dropped("rate_limited", std::mem::take(&mut self.over_budget));
     }
 }
 
@@ -961,12 +1024,39 @@ mod tests {
         })
     }
 
+    fn feedback_event() -> FeedbackEvent {
+        FeedbackEvent {
+            tenant: "acme".into(),
+            upstream: "crm".into(),
+            status: 429,
+            retry_after: Some("2".into()),
+            penalty_ms: Some(2000),
+        }
+    }
+
+    fn otlp(sample_ratio: f64, max_spans_per_second: u32) -> OtlpConfig {
+        OtlpConfig {
+            endpoint: "http://127.0.0.1:9/v1/traces".into(),
+            service_name: "admitd".into(),
+            sample_ratio,
+            max_spans_per_second,
+        }
+    }
+
     fn actor(clock: &FakeClock, ratio: f64) -> (SpanActor, Receiver<Vec<Finished>>) {
+        limited_actor(clock, ratio, 0)
+    }
+
+    fn limited_actor(
+        clock: &FakeClock,
+        ratio: f64,
+        per_sec: u32,
+    ) -> (SpanActor, Receiver<Vec<Finished>>) {
         let (tx, rx) = mpsc::sync_channel(EXPORT_QUEUE);
         let a = SpanActor::with_sender(
             tx,
             Pause::default(),
-            ratio,
+            &otlp(ratio, per_sec),
             Arc::new(clock.clone()),
             Duration::from_secs(10),
         );
@@ -1143,6 +1233,68 @@ mod tests {
     }
 
     #[test]
+    fn the_span_budget_holds_one_second_of_spans_and_refills_at_its_rate() {
+        let mut b = SpanBudget::new(10, 0);
+        assert_eq!(
+            (0..25).filter(|_| b.take(0)).count(),
+            10,
+            "a burst of one second"
+        );
+        assert!(!b.take(50_000_000), "half a token after 50 ms");
+        assert!(b.take(100_000_000), "one token after 100 ms");
+        assert!(!b.take(100_000_000));
+        // a long quiet spell refills one second's worth, not more
+        assert_eq!((0..25).filter(|_| b.take(60 * NS_PER_SEC)).count(), 10);
+        // a clock that does not move forward refills nothing
+        assert!(!b.take(59 * NS_PER_SEC));
+        let mut unlimited = SpanBudget::new(0, 0);
+        assert!((0..100_000).all(|_| unlimited.take(0)), "0 is no limit");
+    }
+
+    #[test]
+    fn calls_past_the_span_budget_get_no_span_whatever_their_parent_says() {
+        let clock = FakeClock::new(0);
+        let (mut a, rx) = limited_actor(&clock, 1.0, 3);
+        let mut parented = decision("acme", DecisionKind::Shed, None);
+        parented.traceparent = Some(TP.into());
+        let calls: Vec<Event> = (0..4)
+            .map(|_| Event::Decision(decision("acme", DecisionKind::Shed, None)))
+            .chain([
+                Event::Decision(parented.clone()),
+                Event::Feedback(Arc::new(feedback_event())),
+            ])
+            .collect();
+        a.handle_events(&calls);
+        assert_eq!(
+            exported(&mut a, &rx).len(),
+            3,
+            "three spans in the first second"
+        );
+        // spans already open still end when the budget is spent
+        clock.advance(Duration::from_secs(1));
+        admit(&mut a, "acme", 7);
+        a.handle_events(&calls);
+        assert_eq!(
+            exported(&mut a, &rx).len(),
+            2,
+            "the budget refilled: three spans, one of them open"
+        );
+        a.handle_events(&[Event::Release(release("acme", 7, None))]);
+        assert_eq!(
+            exported(&mut a, &rx).len(),
+            1,
+            "the open span ends at release"
+        );
+        clock.advance(Duration::from_millis(340));
+        a.handle_events(&[Event::Decision(parented)]);
+        assert_eq!(
+            exported(&mut a, &rx).len(),
+            1,
+            "a sampled parent's call gets a span once the budget has refilled a place"
+        );
+    }
+
+    #[test]
     fn while_export_is_paused_new_spans_are_not_recorded_but_open_ones_still_end() {
         let clock = FakeClock::new(0);
         let (mut a, rx) = actor(&clock, 1.0);
@@ -1175,7 +1327,7 @@ mod tests {
         let mut a = SpanActor::with_sender(
             tx,
             Pause::default(),
-            1.0,
+            &otlp(1.0, 0),
             Arc::new(clock.clone()),
             Duration::from_secs(10),
         );
