@@ -13,8 +13,9 @@
 # FLOOR_PORT [19471], RSS_PORT [19472]; OUT [target/bench] for results; SKIP_BUILD=1 to use what is
 # built; SKIP_RSS=1 to skip the memory measurement; TELEMETRY_ROUNDS [3] rounds of telemetry off / on /
 # on with OTLP export to CLOSED_PORT [9], where nothing may listen / on with OTLP export to a collector
-# that answers (a second floor process on the client core, COLLECTOR_PORT [19473]), every span and
-# SAMPLE_RATIO [0.1] of them (0 rounds skips them).
+# that answers (a second floor process on the client core, COLLECTOR_PORT [19473]): on the default
+# span limit (max_spans_per_second = 1000), every span (no limit) and SAMPLE_RATIO [0.1] of them (no
+# limit) (0 rounds skips them).
 #
 # Output: a Markdown table on stdout and in $OUT/results.md, one JSON line per run in
 # $OUT/results.jsonl, admitd's log in $OUT/admitd.log.
@@ -102,9 +103,11 @@ EOF
 # (a collector that is down must not slow admissions).
 { cat "$work/throughput.toml"; printf '\n[telemetry]\nenabled = false\n'; } >"$work/telemetry-off.toml"
 { cat "$work/throughput.toml"; printf '\n[telemetry.otlp]\nendpoint = "http://127.0.0.1:%s/v1/traces"\n' "$CLOSED_PORT"; } >"$work/telemetry-otlp.toml"
-# ... and to a collector that answers, with every span and with a share of them.
+# ... and to a collector that answers: on the default span limit, with every span and with a share of
+# them.
 { cat "$work/throughput.toml"; printf '\n[telemetry.otlp]\nendpoint = "http://127.0.0.1:%s/v1/traces"\n' "$COLLECTOR_PORT"; } >"$work/telemetry-live.toml"
-{ cat "$work/telemetry-live.toml"; printf 'sample_ratio = %s\n' "$SAMPLE_RATIO"; } >"$work/telemetry-sampled.toml"
+{ cat "$work/telemetry-live.toml"; printf 'max_spans_per_second = 0\n'; } >"$work/telemetry-every.toml"
+{ cat "$work/telemetry-every.toml"; printf 'sample_ratio = %s\n' "$SAMPLE_RATIO"; } >"$work/telemetry-sampled.toml"
 
 # A subject bucket that refills one token per hour, so a subject that made one call keeps state for an
 # hour (a full bucket is resting state and may be dropped); tenants stay alive as long.
@@ -204,7 +207,7 @@ stop "$floor_pid"
 # Admit + release pairs at c=64 (so that every admitted call's span ends and is exported, as in
 # production, where tools finish) against admitd with telemetry off, on, on with OTLP export to a
 # closed port, and on with
-# OTLP export to a collector that answers (every span; SAMPLE_RATIO of them). The variants alternate
+# OTLP export to a collector that answers (default span limit; every span; SAMPLE_RATIO of them). The variants alternate
 # for TELEMETRY_ROUNDS rounds, each round starting with the next one, so that the machine's drift hits
 # them alike. The collector runs on the client core: its work is not admitd's.
 spans_line=""
@@ -215,7 +218,7 @@ if ((have_admitd)) && ((TELEMETRY_ROUNDS > 0)); then
     started+=("$collector_pid")
     wait_http "http://127.0.0.1:$COLLECTOR_PORT/v1/traces/received" ||
         { echo "bench.sh: the collector did not start" >&2; exit 1; }
-    variants=(off on otlp live sampled)
+    variants=(off on otlp live every sampled)
     n=${#variants[@]}
     for round in $(seq "$TELEMETRY_ROUNDS"); do
         for i in $(seq 0 $((n - 1))); do
@@ -225,17 +228,23 @@ if ((have_admitd)) && ((TELEMETRY_ROUNDS > 0)); then
                 on) cfg=$work/throughput.toml ;;
                 otlp) cfg=$work/telemetry-otlp.toml ;;
                 live) cfg=$work/telemetry-live.toml ;;
+                every) cfg=$work/telemetry-every.toml ;;
                 sampled) cfg=$work/telemetry-sampled.toml ;;
             esac
             if start_admitd "$PORT" "$cfg"; then
+                received() { curl -s --max-time 5 "http://127.0.0.1:$COLLECTOR_PORT/v1/traces/received" || echo '{}'; }
+                before=$(received)
                 load "telemetry $variant #$round" "$PORT" "$admitd_pid" --connections 64 --mode admit-release
-                if [[ $variant == live && $round == 1 ]]; then
-                    # Proof that spans were exported, not dropped: what the collector received and
-                    # what admitd counted as dropped in this run.
-                    dropped=$(curl -s --max-time 5 "http://127.0.0.1:$PORT/metrics" |
-                        awk '/^admitd_spans_dropped_total/ { s += $2 } END { print s + 0 }')
-                    got=$(curl -s --max-time 5 "http://127.0.0.1:$COLLECTOR_PORT/v1/traces/received")
-                    spans_line="span export, first live run: collector received $got (all runs so far); admitd dropped $dropped spans"
+                if [[ $variant == live || $variant == every || $variant == sampled ]]; then
+                    # Proof of what was exported: spans counted by admitd and received by the
+                    # collector (until the run's end; spans still open or queued then are not
+                    # counted), and what admitd dropped, by reason.
+                    m=$(curl -s --max-time 5 "http://127.0.0.1:$PORT/metrics")
+                    exported=$(awk '/^admitd_spans_exported_total/ { s += $2 } END { print s + 0 }' <<<"$m")
+                    dropped=$(awk '/^admitd_spans_dropped_total/ { split($1, a, "\""); d = d " " a[2] "=" $2 } END { print d == "" ? " none" : d }' <<<"$m")
+                    got=$(jq -nr --argjson a "$before" --argjson b "$(received)" \
+                        '"\(($b.requests // 0) - ($a.requests // 0)) requests, \((($b.bytes // 0) - ($a.bytes // 0)) / 1e6 | floor) MB"')
+                    spans_line+="span export, telemetry $variant #$round: admitd exported $exported spans, collector received $got; dropped:$dropped"$'\n'
                 fi
                 stop "$admitd_pid"
             fi
@@ -302,11 +311,13 @@ fi
         def stats(v): [.[] | select(.label | startswith("telemetry " + v + " #")) | .rps] | sort
             | select(length > 0) | {best: .[-1], median: .[(length / 2 | floor)]};
         (stats("off")) as $off
-        | {on: "on", otlp: "on + OTLP to a closed port", live: "on + OTLP to a collector, every span",
-           sampled: "on + OTLP to a collector, sample_ratio '"$SAMPLE_RATIO"'"} as $names
-        | ["on", "otlp", "live", "sampled"][] as $v | (stats($v)) as $s
+        | {on: "on", otlp: "on + OTLP to a closed port",
+           live: "on + OTLP to a collector (default max_spans_per_second)",
+           every: "on + OTLP to a collector, every span (max_spans_per_second = 0)",
+           sampled: "on + OTLP to a collector, sample_ratio '"$SAMPLE_RATIO"', no span limit"} as $names
+        | ["on", "otlp", "live", "every", "sampled"][] as $v | (stats($v)) as $s
         | select($off != null and $s != null)
         | "telemetry \($names[$v]) / off throughput: best \(($s.best / $off.best * 100 | round) / 100), median \(($s.median / $off.median * 100 | round) / 100)"' "$OUT/results.jsonl"
-    [[ -n $spans_line ]] && echo "$spans_line"
+    [[ -n $spans_line ]] && printf '%s' "$spans_line"
     echo "$rss_line"
 } | tee "$OUT/results.md"
