@@ -233,14 +233,30 @@ pub fn rfc3339(ms: i64) -> String {
 /// The alerts firing now, shared with the HTTP layer.
 pub type FiringList = Arc<RwLock<Vec<FiringAlert>>>;
 
+/// One tenant's alert gauges.
+struct AlertGauges {
+    shed_ratio: metrics::Gauge,
+    firing: metrics::Gauge,
+}
+
+impl AlertGauges {
+    fn of(tenant: &str) -> Self {
+        AlertGauges {
+            shed_ratio: metrics::gauge!(TENANT_SHED_RATIO, "tenant" => tenant.to_string()),
+            firing: metrics::gauge!(ALERT_FIRING, "tenant" => tenant.to_string(), "alert" => SHED_RATIO_ALERT),
+        }
+    }
+}
+
 /// Feeds decisions to the evaluator and publishes its results.
 pub struct AlertActor {
     evaluator: AlertEvaluator,
     clock: Arc<dyn Clock>,
     firing: FiringList,
     alertmanager: Option<String>,
-    /// Tenants whose gauges were set, so cleared ones are set back to zero once.
-    exported: HashMap<Arc<str>, bool>,
+    /// Tenants whose gauges were set, with their handles (a registry lookup builds and hashes the
+    /// labels; a handle is one store), so tenants that left the window are set back to zero once.
+    exported: HashMap<Arc<str>, AlertGauges>,
     ticks: u64,
 }
 
@@ -273,18 +289,21 @@ impl AlertActor {
                 push_alertmanager(url.clone(), &change, wall);
             }
         }
-        let mut seen = HashMap::default();
+        let mut seen = HashMap::with_capacity_and_hasher(self.exported.len(), Default::default());
         for (tenant, ratio, calls, firing) in self.evaluator.ratios() {
+            let gauges = self
+                .exported
+                .remove(&tenant)
+                .unwrap_or_else(|| AlertGauges::of(&tenant));
             if calls > 0 || firing {
-                metrics::gauge!(TENANT_SHED_RATIO, "tenant" => tenant.to_string()).set(ratio);
+                gauges.shed_ratio.set(ratio);
             }
-            metrics::gauge!(ALERT_FIRING, "tenant" => tenant.to_string(), "alert" => SHED_RATIO_ALERT)
-                .set(if firing { 1.0 } else { 0.0 });
-            seen.insert(tenant, firing);
+            gauges.firing.set(if firing { 1.0 } else { 0.0 });
+            seen.insert(tenant, gauges);
         }
-        for gone in self.exported.keys().filter(|t| !seen.contains_key(*t)) {
-            metrics::gauge!(ALERT_FIRING, "tenant" => gone.to_string(), "alert" => SHED_RATIO_ALERT).set(0.0);
-            metrics::gauge!(TENANT_SHED_RATIO, "tenant" => gone.to_string()).set(0.0);
+        for gone in self.exported.values() {
+            gone.firing.set(0.0);
+            gone.shed_ratio.set(0.0);
         }
         self.exported = seen;
         let firing = self.evaluator.firing();

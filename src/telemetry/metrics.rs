@@ -20,7 +20,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use metrics::{counter, gauge};
+use metrics::{counter, gauge, Counter, Gauge};
 
 use super::histogram::{Histogram, Histograms};
 use super::labels::LabelCap;
@@ -126,6 +126,8 @@ pub struct MetricsActor {
     waits: Handles<(Arc<str>, Arc<str>), Arc<Histogram>>,
     retries: Handles<(Arc<str>, Scope), Arc<Histogram>>,
     tool_durations: Handles<ToolKey, Arc<Histogram>>,
+    /// `admitd_upstream_responses_total` by (tenant, upstream, status) label.
+    responses: Handles<(Arc<str>, Arc<str>, u16), Counter>,
     decision_hist: Arc<Histogram>,
     histograms: Arc<Histograms>,
     caps: LabelCap,
@@ -135,10 +137,38 @@ pub struct MetricsActor {
     throttle: LogThrottle,
     suppressed_total: u64,
     suppressed_recent: u64,
+    /// Each tenant label's gauges (set once a second per tenant: a handle is one store, a registry
+    /// lookup builds, hashes and compares the labels).
+    tenant_gauges: HashMap<Arc<str>, TenantGauges>,
     /// Upstreams with a penalty gauge set, per tenant label, to zero them when the penalty ends.
     penalties: HashMap<Arc<str>, Vec<Arc<str>>>,
     /// Per-tenant upstream rate series set, with their configured rates, to reset them when dropped.
     upstream_rates: HashMap<Arc<str>, Vec<(Arc<str>, f64)>>,
+}
+
+/// The gauges a tenant actor's report sets.
+struct TenantGauges {
+    inflight: Gauge,
+    waiting: Gauge,
+    tenant_utilization: Gauge,
+    subject_utilization: Gauge,
+    upstream_utilization: Gauge,
+    /// Used and limit; registered when the tenant first reports a daily quota.
+    quota: Option<(Gauge, Gauge)>,
+}
+
+impl TenantGauges {
+    fn of(t: &str) -> Self {
+        let util = |layer: &'static str| gauge!(BUCKET_UTILIZATION, "tenant" => t.to_string(), "layer" => layer);
+        TenantGauges {
+            inflight: gauge!(INFLIGHT, "tenant" => t.to_string()),
+            waiting: gauge!(WAITING, "tenant" => t.to_string()),
+            tenant_utilization: util("tenant"),
+            subject_utilization: util("subject"),
+            upstream_utilization: util("tenant_upstream"),
+            quota: None,
+        }
+    }
 }
 
 impl MetricsActor {
@@ -153,6 +183,7 @@ impl MetricsActor {
             waits: Handles::default(),
             retries: Handles::default(),
             tool_durations: Handles::default(),
+            responses: Handles::default(),
             decision_hist: histograms.decision.series(&[]),
             histograms,
             caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
@@ -161,6 +192,7 @@ impl MetricsActor {
             throttle: LogThrottle::new(cfg.refusal_log_per_sec),
             suppressed_total: 0,
             suppressed_recent: 0,
+            tenant_gauges: HashMap::new(),
             penalties: HashMap::new(),
             upstream_rates: HashMap::new(),
         }
@@ -288,6 +320,21 @@ impl MetricsActor {
         h
     }
 
+    /// Counts an upstream response reported on release or feedback.
+    fn upstream_response(&mut self, tenant: Arc<str>, upstream: Arc<str>, status: u16) {
+        let key = (tenant, upstream, status);
+        if let Some(c) = self.responses.get(&key) {
+            c.increment(1);
+            return;
+        }
+        let c = counter!(UPSTREAM_RESPONSES, "tenant" => key.0.to_string(), "upstream" => key.1.to_string(), "status" => status.to_string());
+        c.increment(1);
+        if self.responses.len() >= HANDLE_CACHE {
+            self.responses.clear();
+        }
+        self.responses.insert(key, c);
+    }
+
     /// Records a decision whose raw labels `raw` (hashing to `hash`) were looked up as `found`.
     fn record_decision(
         &mut self,
@@ -333,14 +380,18 @@ impl MetricsActor {
         match ev {
             Event::Decision(_) => {}
             Event::Release(r) => {
-                let (tenant, _, tool) = self.caps.call(&r.tenant, &r.subject, &r.tool);
-                let upstream = self.upstream_label(&r.upstream);
                 let status = r
                     .upstream_status
-                    .or((r.outcome == "upstream_rate_limited").then_some(429));
-                if let (Some(status), true) = (status, r.upstream.is_some()) {
-                    counter!(UPSTREAM_RESPONSES, "tenant" => tenant.to_string(), "upstream" => upstream.to_string(), "status" => status.to_string())
-                        .increment(1);
+                    .or((r.outcome == "upstream_rate_limited").then_some(429))
+                    .filter(|_| r.upstream.is_some());
+                if status.is_none() && r.duration_ms.is_none() {
+                    // Nothing to count (and no label to look up).
+                    return;
+                }
+                let (tenant, _, tool) = self.caps.call(&r.tenant, &r.subject, &r.tool);
+                let upstream = self.upstream_label(&r.upstream);
+                if let Some(status) = status {
+                    self.upstream_response(tenant.clone(), upstream.clone(), status);
                 }
                 if let Some(ms) = r.duration_ms {
                     self.tool_hist(tenant, tool, upstream)
@@ -350,8 +401,7 @@ impl MetricsActor {
             Event::Feedback(f) => {
                 let tenant = self.caps.tenant(&f.tenant);
                 let upstream = self.caps.upstream(&f.upstream);
-                counter!(UPSTREAM_RESPONSES, "tenant" => tenant.to_string(), "upstream" => upstream.to_string(), "status" => f.status.to_string())
-                    .increment(1);
+                self.upstream_response(tenant, upstream, f.status);
             }
             Event::Tenant(t) => match &**t {
                 TenantEvent::LeaseExpired {
@@ -373,35 +423,42 @@ impl MetricsActor {
                 }
                 TenantEvent::Gauges { tenant, gauges, .. } => {
                     let tenant = self.caps.tenant(tenant);
-                    let t = tenant.to_string();
-                    gauge!(INFLIGHT, "tenant" => t.clone()).set(gauges.inflight as f64);
-                    gauge!(WAITING, "tenant" => t.clone()).set(gauges.waiting as f64);
-                    gauge!(BUCKET_UTILIZATION, "tenant" => t.clone(), "layer" => "tenant")
-                        .set(gauges.tenant_utilization);
-                    gauge!(BUCKET_UTILIZATION, "tenant" => t.clone(), "layer" => "subject")
-                        .set(gauges.subject_utilization);
-                    gauge!(BUCKET_UTILIZATION, "tenant" => t.clone(), "layer" => "tenant_upstream")
-                        .set(gauges.upstream_utilization);
+                    let g = self
+                        .tenant_gauges
+                        .entry(tenant.clone())
+                        .or_insert_with(|| TenantGauges::of(&tenant));
+                    g.inflight.set(gauges.inflight as f64);
+                    g.waiting.set(gauges.waiting as f64);
+                    g.tenant_utilization.set(gauges.tenant_utilization);
+                    g.subject_utilization.set(gauges.subject_utilization);
+                    g.upstream_utilization.set(gauges.upstream_utilization);
                     if let (Some(used), Some(limit)) = (gauges.quota_used, gauges.quota_limit) {
-                        gauge!(DAILY_QUOTA_USED, "tenant" => t.clone()).set(used);
-                        gauge!(DAILY_QUOTA_LIMIT, "tenant" => t.clone()).set(limit);
+                        let (u, l) = g.quota.get_or_insert_with(|| {
+                            (
+                                gauge!(DAILY_QUOTA_USED, "tenant" => tenant.to_string()),
+                                gauge!(DAILY_QUOTA_LIMIT, "tenant" => tenant.to_string()),
+                            )
+                        });
+                        u.set(used);
+                        l.set(limit);
                     }
+
                     // A budget whose state was dropped (or whose tenant stopped) is back at its
                     // configured rate with no throttle: say so rather than freeze the last value.
                     let before = self.upstream_rates.remove(&tenant).unwrap_or_default();
                     let mut now_set = Vec::new();
                     for g in &gauges.upstream_rates {
                         let up = self.caps.upstream(&g.upstream);
-                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => t.clone(), "upstream" => up.to_string()).set(g.effective_rate);
-                        gauge!(UPSTREAM_THROTTLE, "tenant" => t.clone(), "upstream" => up.to_string()).set(g.throttle_probability);
+                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => tenant.to_string(), "upstream" => up.to_string()).set(g.effective_rate);
+                        gauge!(UPSTREAM_THROTTLE, "tenant" => tenant.to_string(), "upstream" => up.to_string()).set(g.throttle_probability);
                         now_set.push((up, g.configured_rate));
                     }
                     for (up, configured) in before
                         .iter()
                         .filter(|(u, _)| !now_set.iter().any(|(n, _)| n == u))
                     {
-                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => t.clone(), "upstream" => up.to_string()).set(*configured);
-                        gauge!(UPSTREAM_THROTTLE, "tenant" => t.clone(), "upstream" => up.to_string()).set(0.0);
+                        gauge!(UPSTREAM_EFFECTIVE_RATE, "tenant" => tenant.to_string(), "upstream" => up.to_string()).set(*configured);
+                        gauge!(UPSTREAM_THROTTLE, "tenant" => tenant.to_string(), "upstream" => up.to_string()).set(0.0);
                     }
                     if !now_set.is_empty() {
                         self.upstream_rates.insert(tenant.clone(), now_set);
