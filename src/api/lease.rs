@@ -4,6 +4,9 @@
 //! Form: 16 hex digits of the lease number, then the tenant name in hex. A malformed id is simply an
 //! unknown lease.
 
+use compact_str::CompactString;
+use smallvec::SmallVec;
+
 pub fn encode(tenant: &str, lease: u64) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(16 + tenant.len() * 2);
@@ -17,16 +20,17 @@ pub fn encode(tenant: &str, lease: u64) -> String {
     s
 }
 
-pub fn decode(id: &str) -> Option<(String, u64)> {
+/// The tenant and lease number of an id (the tenant inline when it is short: no allocation).
+pub fn decode(id: &str) -> Option<(CompactString, u64)> {
     if id.len() < 18 || id.len() > 16 + 256 || id.len() % 2 != 0 || !id.is_ascii() {
         return None;
     }
     let lease = u64::from_str_radix(&id[..16], 16).ok()?;
-    let bytes: Option<Vec<u8>> = (16..id.len())
+    let bytes: Option<SmallVec<[u8; 128]>> = (16..id.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&id[i..i + 2], 16).ok())
         .collect();
-    let tenant = String::from_utf8(bytes?).ok()?;
+    let tenant = CompactString::from_utf8(bytes?).ok()?;
     crate::config::check_name(&tenant).ok()?;
     Some((tenant, lease))
 }
@@ -39,7 +43,7 @@ mod tests {
     fn round_trip() {
         for t in ["acme", "ünï", "a b/c"] {
             let id = encode(t, 0xdead_beef_1234);
-            assert_eq!(decode(&id), Some((t.to_string(), 0xdead_beef_1234)));
+            assert_eq!(decode(&id), Some((t.into(), 0xdead_beef_1234)));
         }
     }
 

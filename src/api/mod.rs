@@ -10,6 +10,7 @@ pub mod body;
 pub mod error;
 pub mod lease;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,9 +40,9 @@ pub struct App {
     pub alerts: Option<Arc<dyn Fn() -> serde_json::Value + Send + Sync>>,
 }
 
-/// A JSON response with the given status.
-pub fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
-    let mut r = Response::new(body.into());
+/// A JSON response with the given status (the body as bytes: a `Vec<u8>`, or a static `&[u8]`).
+pub fn json_response(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response {
+    let mut r = Response::new(body.into().into());
     *r.status_mut() = status;
     r.headers_mut().insert(
         warp::http::header::CONTENT_TYPE,
@@ -209,10 +210,16 @@ fn status_field(field: &str, status: i64) -> Result<u16, ApiError> {
     }
 }
 
+/// The answer to a release.
+const RELEASED: &[u8] = br#"{"released":true}"#;
+
 #[derive(Deserialize)]
-struct ReleaseBody {
-    lease_id: String,
-    outcome: String,
+struct ReleaseBody<'a> {
+    /// Borrowed from the request body unless the JSON escapes characters in it.
+    #[serde(borrow)]
+    lease_id: Cow<'a, str>,
+    #[serde(borrow)]
+    outcome: Cow<'a, str>,
     #[serde(default)]
     upstream_status: Option<i64>,
     #[serde(default)]
@@ -264,6 +271,12 @@ async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiErr
         .await?
         .ok_or_else(unknown)?
         .map_err(|_| unknown())?;
+    let counted = upstream_status.is_some()
+        || outcome == Outcome::UpstreamRateLimited
+        || duration_ms.is_some();
+    if !app.shared.telemetry.wants_release(counted) {
+        return Ok(json_response(StatusCode::OK, RELEASED));
+    }
     app.shared.telemetry.release(ReleaseEvent {
         tenant: Arc::from(tenant.as_str()),
         subject: released.subject,
@@ -276,7 +289,7 @@ async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiErr
         duration_ms,
         lease,
     });
-    Ok(json(StatusCode::OK, &serde_json::json!({"released": true})))
+    Ok(json_response(StatusCode::OK, RELEASED))
 }
 
 #[derive(Deserialize)]

@@ -288,6 +288,12 @@ impl Telemetry {
         }
     }
 
+    /// Whether a release is worth an event: spans end at release, and metrics count an upstream
+    /// status or a tool duration (`counted`); a bare release is neither.
+    pub fn wants_release(&self, counted: bool) -> bool {
+        !self.sinks.is_empty() && (self.traces || counted)
+    }
+
     pub fn release(&self, ev: ReleaseEvent) {
         if !self.sinks.is_empty() {
             self.offer(Event::Release(Arc::new(ev)));
