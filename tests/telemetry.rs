@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{eventually, metric, Daemon, Recorder};
+use common::{eventually, metric, Daemon, GrpcRecorder, Recorder};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{any_value, KeyValue};
 use opentelemetry_proto::tonic::trace::v1::Span;
@@ -198,10 +198,17 @@ fn attr_int(attrs: &[KeyValue], key: &str) -> Option<i64> {
 }
 
 fn received_spans(r: &Recorder) -> Vec<(Span, Option<String>)> {
+    spans_of(r.bodies("/v1/traces").iter().map(|body| {
+        ExportTraceServiceRequest::decode(body.as_slice()).expect("a valid OTLP protobuf body")
+    }))
+}
+
+/// The spans in OTLP requests, each with its resource's `service.name`.
+fn spans_of(
+    requests: impl Iterator<Item = ExportTraceServiceRequest>,
+) -> Vec<(Span, Option<String>)> {
     let mut out = Vec::new();
-    for body in r.bodies("/v1/traces") {
-        let req =
-            ExportTraceServiceRequest::decode(body.as_slice()).expect("a valid OTLP protobuf body");
+    for req in requests {
         for rs in req.resource_spans {
             let service = rs
                 .resource
@@ -220,9 +227,60 @@ fn received_spans(r: &Recorder) -> Vec<(Span, Option<String>)> {
 #[test]
 fn admission_spans_reach_an_otlp_receiver() {
     let collector = Recorder::start();
+    spans_arrive_with_their_attributes(
+        &format!("endpoint = \"http://{}/v1/traces\"", collector.addr),
+        || received_spans(&collector),
+    );
+}
+
+#[test]
+fn spans_travel_as_otlp_http_json_too() {
+    let collector = Recorder::start();
+    spans_arrive_with_their_attributes(
+        &format!(
+            "endpoint = \"http://{}/v1/traces\"\nprotocol = \"http/json\"",
+            collector.addr
+        ),
+        || {
+            spans_of(collector.bodies("/v1/traces").iter().map(|body| {
+                serde_json::from_slice::<ExportTraceServiceRequest>(body)
+                    .expect("a valid OTLP JSON body")
+            }))
+        },
+    );
+}
+
+#[test]
+fn spans_travel_as_otlp_grpc_too() {
+    let collector = GrpcRecorder::start();
+    spans_arrive_with_their_attributes(
+        &format!(
+            "endpoint = \"http://{}\"\nprotocol = \"grpc\"",
+            collector.addr
+        ),
+        || {
+            let requests = collector.requests.lock().unwrap().clone();
+            spans_of(requests.into_iter().map(|(path, message)| {
+                assert_eq!(
+                    path,
+                    "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+                );
+                ExportTraceServiceRequest::decode(message.as_slice())
+                    .expect("a valid OTLP protobuf message")
+            }))
+        },
+    );
+}
+
+/// Runs an admitted call (child of a caller's trace, released with a 429) and a shed call through a
+/// daemon exporting spans with `otlp` (the `[telemetry.otlp]` lines besides `service_name`), and checks
+/// what `received` says arrived.
+fn spans_arrive_with_their_attributes(
+    otlp: &str,
+    received: impl Fn() -> Vec<(Span, Option<String>)>,
+) {
     let d = Daemon::start(&format!(
-        "[limits.subject]\nrate = \"1/h\"\nburst = 1\n[telemetry.otlp]\nendpoint = \"http://{}/v1/traces\"\nservice_name = \"admitd-test\"\n",
-        collector.addr
+        "[limits.subject]\nrate = \"1/h\"\nburst = 1\n[telemetry.otlp]\n{otlp}\nservice_name = \"admitd-test\"\n"
     ));
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let parent = "00f067aa0ba902b7";
@@ -247,7 +305,7 @@ fn admission_spans_reach_an_otlp_receiver() {
     let mut spans = Vec::new();
     assert!(
         eventually(Duration::from_secs(10), || {
-            spans = received_spans(&collector);
+            spans = received();
             spans
                 .iter()
                 .filter(|(s, _)| s.name == "execute_tool get_sales")

@@ -276,6 +276,36 @@ pub struct OtlpConfig {
     /// Spans recorded per second at most, over every call (a bucket holding one second of them);
     /// 0: no limit. Calls past it get no span and are counted as dropped (`rate_limited`).
     pub max_spans_per_second: u32,
+    /// How spans travel to the collector.
+    pub protocol: OtlpProtocol,
+}
+
+/// `[telemetry.otlp] protocol`, named as `OTEL_EXPORTER_OTLP_PROTOCOL` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OtlpProtocol {
+    /// OTLP/HTTP with protobuf bodies (`endpoint` is the traces URL, e.g. `http://host:4318/v1/traces`).
+    #[default]
+    HttpProtobuf,
+    /// OTLP/HTTP with JSON bodies (same endpoint).
+    HttpJson,
+    /// OTLP/gRPC (`endpoint` is the collector's gRPC address, e.g. `http://host:4317`).
+    Grpc,
+}
+
+impl OtlpProtocol {
+    pub const ALL: [OtlpProtocol; 3] = [
+        OtlpProtocol::HttpProtobuf,
+        OtlpProtocol::HttpJson,
+        OtlpProtocol::Grpc,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OtlpProtocol::HttpProtobuf => "http/protobuf",
+            OtlpProtocol::HttpJson => "http/json",
+            OtlpProtocol::Grpc => "grpc",
+        }
+    }
 }
 
 /// `[alerts]`.
@@ -569,6 +599,7 @@ struct RawOtlp {
     service_name: Option<S<String>>,
     sample_ratio: Option<S<f64>>,
     max_spans_per_second: Option<S<i64>>,
+    protocol: Option<S<String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1048,7 +1079,8 @@ impl Validator<'_> {
                         .as_ref()
                         .map(|s| s.span())
                         .or_else(|| o.sample_ratio.as_ref().map(|r| r.span()))
-                        .or_else(|| o.max_spans_per_second.as_ref().map(|r| r.span()));
+                        .or_else(|| o.max_spans_per_second.as_ref().map(|r| r.span()))
+                        .or_else(|| o.protocol.as_ref().map(|r| r.span()));
                     if let Some(span) = set {
                         return self.err(span, "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
                     }
@@ -1074,6 +1106,23 @@ impl Validator<'_> {
                     }
                     None => DEFAULT_MAX_SPANS_PER_SECOND,
                 };
+                let protocol = match o.protocol {
+                    Some(v) => {
+                        let name = v.get_ref().trim();
+                        match OtlpProtocol::ALL.into_iter().find(|p| p.as_str() == name) {
+                            Some(p) => p,
+                            None => {
+                                return self.err(
+                                    v.span(),
+                                    format!(
+                                        "telemetry.otlp.protocol must be \"http/protobuf\", \"http/json\" or \"grpc\", not {name:?}"
+                                    ),
+                                )
+                            }
+                        }
+                    }
+                    None => OtlpProtocol::default(),
+                };
                 let service_name = o
                     .service_name
                     .map(|s| s.into_inner())
@@ -1083,6 +1132,7 @@ impl Validator<'_> {
                     service_name,
                     sample_ratio,
                     max_spans_per_second,
+                    protocol,
                 });
             }
         }
@@ -1235,6 +1285,16 @@ min_calls = 100
         Config::parse("cfg.toml", text).unwrap_err().to_string()
     }
 
+    fn otlp_protocol(protocol: Option<&str>) -> Result<OtlpProtocol, String> {
+        let mut text = "[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4317\"\n".to_string();
+        if let Some(p) = protocol {
+            text.push_str(&format!("protocol = \"{p}\"\n"));
+        }
+        Config::parse("cfg.toml", &text)
+            .map(|c| c.telemetry.otlp.unwrap().protocol)
+            .map_err(|e| e.to_string())
+    }
+
     #[test]
     fn errors_name_file_and_line() {
         let e = err("[limits.subject]\nburst = 20\nrate = \"5/mins\"\n");
@@ -1363,6 +1423,19 @@ min_calls = 100
         );
         let e = err("[telemetry.otlp]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nmax_spans_per_second = 2.5\n");
         assert!(e.starts_with("cfg.toml:3:"), "{e}");
+        assert_eq!(otlp_protocol(None), Ok(OtlpProtocol::HttpProtobuf));
+        assert_eq!(otlp_protocol(Some("http/json")), Ok(OtlpProtocol::HttpJson));
+        assert_eq!(otlp_protocol(Some("grpc")), Ok(OtlpProtocol::Grpc));
+        let e = otlp_protocol(Some("http")).unwrap_err();
+        assert!(
+            e.starts_with("cfg.toml:3: telemetry.otlp.protocol must be \"http/protobuf\", \"http/json\" or \"grpc\", not \"http\""),
+            "{e}"
+        );
+        let e = err("[telemetry.otlp]\nprotocol = \"grpc\"\n");
+        assert!(
+            e.starts_with("cfg.toml:2: [telemetry.otlp] has no endpoint"),
+            "{e}"
+        );
         let e = err("[telemetry.otlp]\nmax_spans_per_second = 10\n");
         assert!(
             e.starts_with("cfg.toml:2: [telemetry.otlp] has no endpoint"),

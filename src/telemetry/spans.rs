@@ -1,4 +1,4 @@
-//! OpenTelemetry spans for admissions, exported over OTLP/HTTP.
+//! OpenTelemetry spans for admissions, exported over OTLP (HTTP with protobuf or JSON bodies, or gRPC).
 //!
 //! One span per admission decision, following the GenAI and MCP semantic conventions
 //! (`gen_ai.operation.name = "execute_tool"`, `gen_ai.tool.name`, `mcp.method.name = "tools/call"`),
@@ -38,13 +38,14 @@ use opentelemetry::trace::{
     Event as SpanEvent, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
 };
 use opentelemetry::{InstrumentationScope, KeyValue, StringValue, Value};
-use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig, WithTonicConfig};
+use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
 use opentelemetry_sdk::Resource;
 
 use super::{hex16, names, DecisionEvent, DecisionKind, Event, FeedbackEvent, ReleaseEvent};
 use crate::clock::{Clock, Nanos, NS_PER_SEC};
-use crate::config::OtlpConfig;
+use crate::config::{OtlpConfig, OtlpProtocol};
 use crate::engine::Scope;
 
 /// Open spans kept at most (one per live lease); past this, admitted spans end at the decision.
@@ -470,7 +471,7 @@ impl Pause {
 }
 
 /// Starts the OTLP exporter on a thread of its own. Fails when the exporter cannot be set up (an
-/// endpoint the HTTP client refuses).
+/// endpoint the HTTP or gRPC client refuses).
 pub fn start(cfg: &OtlpConfig, clock: Arc<dyn Clock>) -> Result<Exporter, String> {
     let cfg = cfg.clone();
     let (tx, rx) = mpsc::sync_channel::<Vec<Finished>>(EXPORT_QUEUE);
@@ -481,42 +482,123 @@ pub fn start(cfg: &OtlpConfig, clock: Arc<dyn Clock>) -> Result<Exporter, String
     std::thread::Builder::new()
         .name("otlp-export".into())
         .spawn(move || {
-            // The blocking HTTP client is created, used and dropped on this plain thread, never on
-            // an async runtime's.
-            let exporter = opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_endpoint(cfg.endpoint.clone())
-                .with_protocol(Protocol::HttpBinary)
-                .with_timeout(Duration::from_secs(5))
-                // A failed export pauses export (see `Backoff`) instead of being retried at once:
-                // retries would hold the export thread while the queue overflows.
-                .with_retry_policy(opentelemetry_otlp::RetryPolicy::disabled())
-                .build()
-                .map_err(|e| format!("cannot set up OTLP export to {}: {e}", cfg.endpoint));
-            let mut exporter = match exporter {
-                Ok(e) => {
-                    let _ = ready_tx.send(Ok(()));
-                    e
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
+            let cannot = |e: &dyn std::fmt::Display| {
+                format!(
+                    "cannot set up OTLP export ({}) to {}: {e}",
+                    cfg.protocol.as_str(),
+                    cfg.endpoint
+                )
             };
-            exporter.set_resource(
-                &Resource::builder()
-                    .with_service_name(cfg.service_name.clone())
-                    .build(),
-            );
-            export_loop(&exporter, &rx, &*clock, &pause, &cfg.endpoint);
-            let _ = exporter.shutdown();
-            let _ = done_tx.send(());
+            let run = |mut exporter: Box<dyn ExportOn>| {
+                let _ = ready_tx.send(Ok(()));
+                exporter.set_resource(
+                    &Resource::builder()
+                        .with_service_name(cfg.service_name.clone())
+                        .build(),
+                );
+                export_loop(&*exporter, &rx, &*clock, &pause, &cfg.endpoint);
+                exporter.shutdown();
+                let _ = done_tx.send(());
+            };
+            // A failed export pauses export (see `Backoff`) instead of being retried at once:
+            // retries would hold the export thread while the queue overflows.
+            let no_retry = opentelemetry_otlp::RetryPolicy::disabled();
+            match cfg.protocol {
+                OtlpProtocol::HttpProtobuf | OtlpProtocol::HttpJson => {
+                    // The blocking HTTP client is created, used and dropped on this plain thread,
+                    // never on an async runtime's.
+                    let protocol = match cfg.protocol {
+                        OtlpProtocol::HttpJson => Protocol::HttpJson,
+                        _ => Protocol::HttpBinary,
+                    };
+                    match opentelemetry_otlp::SpanExporter::builder()
+                        .with_http()
+                        .with_endpoint(cfg.endpoint.clone())
+                        .with_protocol(protocol)
+                        .with_timeout(EXPORT_TIMEOUT)
+                        .with_retry_policy(no_retry)
+                        .build()
+                    {
+                        Ok(e) => run(Box::new(Blocking(e))),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(cannot(&e)));
+                        }
+                    }
+                }
+                OtlpProtocol::Grpc => {
+                    // tonic needs a tokio runtime: a single-threaded one that runs only while this
+                    // thread exports.
+                    let built = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(|e| cannot(&e))
+                        .and_then(|rt| {
+                            let _entered = rt.enter();
+                            opentelemetry_otlp::SpanExporter::builder()
+                                .with_tonic()
+                                .with_endpoint(cfg.endpoint.clone())
+                                .with_protocol(Protocol::Grpc)
+                                .with_timeout(EXPORT_TIMEOUT)
+                                .with_retry_policy(no_retry)
+                                .build()
+                                .map_err(|e| cannot(&e))
+                                .map(|e| OnRuntime(e, rt))
+                        });
+                    match built {
+                        Ok(e) => run(Box::new(e)),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                        }
+                    }
+                }
+            }
         })
         .map_err(|e| format!("cannot start the OTLP export thread: {e}"))?;
     ready
         .recv()
         .map_err(|_| "the OTLP export thread stopped while starting".to_string())??;
     Ok(Exporter { tx, done, paused })
+}
+
+/// A collector that does not answer within this is treated as down.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// An exporter as the export thread drives it: one blocking call per batch.
+trait ExportOn {
+    fn export_blocking(&self, batch: Vec<SpanData>) -> OTelSdkResult;
+    fn set_resource(&mut self, resource: &Resource);
+    fn shutdown(&mut self);
+}
+
+/// An exporter whose futures need no runtime (the blocking HTTP client's).
+struct Blocking<E>(E);
+
+impl<E: SpanExporter> ExportOn for Blocking<E> {
+    fn export_blocking(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        futures_executor::block_on(self.0.export(batch))
+    }
+    fn set_resource(&mut self, resource: &Resource) {
+        self.0.set_resource(resource);
+    }
+    fn shutdown(&mut self) {
+        let _ = self.0.shutdown();
+    }
+}
+
+/// An exporter whose futures run on a tokio runtime (tonic's).
+struct OnRuntime<E>(E, tokio::runtime::Runtime);
+
+impl<E: SpanExporter> ExportOn for OnRuntime<E> {
+    fn export_blocking(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        self.1.block_on(self.0.export(batch))
+    }
+    fn set_resource(&mut self, resource: &Resource) {
+        self.0.set_resource(resource);
+    }
+    fn shutdown(&mut self) {
+        let _entered = self.1.enter();
+        let _ = self.0.shutdown();
+    }
 }
 
 impl Exporter {
@@ -567,7 +649,7 @@ impl Backoff {
 }
 
 /// The export thread's state: what it exports with, and whether export is paused after failures.
-struct ExportState<'a, E> {
+struct ExportState<'a, E: ?Sized> {
     exporter: &'a E,
     scope: InstrumentationScope,
     backoff: Backoff,
@@ -575,7 +657,7 @@ struct ExportState<'a, E> {
     endpoint: &'a str,
 }
 
-impl<'a, E: SpanExporter> ExportState<'a, E> {
+impl<'a, E: ExportOn + ?Sized> ExportState<'a, E> {
     fn new(exporter: &'a E, pause: &'a Pause, endpoint: &'a str) -> Self {
         ExportState {
             exporter,
@@ -617,7 +699,7 @@ impl<'a, E: SpanExporter> ExportState<'a, E> {
     }
 
     fn export(&mut self, data: Vec<SpanData>, n: usize, now: Nanos) {
-        match futures_executor::block_on(self.exporter.export(data)) {
+        match self.exporter.export_blocking(data) {
             Ok(()) => {
                 if n > 0 {
                     ::metrics::counter!(names::SPANS_EXPORTED).increment(n as u64);
@@ -647,7 +729,7 @@ impl<'a, E: SpanExporter> ExportState<'a, E> {
 
 /// Builds and exports batches until every sender is gone. While export is paused, batches that
 /// still arrive (spans that were open) are dropped and the collector is probed when the pause ends.
-fn export_loop<E: SpanExporter>(
+fn export_loop<E: ExportOn + ?Sized>(
     exporter: &E,
     rx: &Receiver<Vec<Finished>>,
     clock: &dyn Clock,
@@ -1040,6 +1122,7 @@ mod tests {
             service_name: "admitd".into(),
             sample_ratio,
             max_spans_per_second,
+            protocol: OtlpProtocol::HttpProtobuf,
         }
     }
 
@@ -1377,27 +1460,27 @@ mod tests {
 
     #[test]
     fn failed_exports_pause_export_with_a_doubling_backoff_and_a_probe_resumes_it() {
-        let exporter = FakeExporter::default();
+        let exporter = Blocking(FakeExporter::default());
         let pause = Pause::default();
         let mut st = ExportState::new(&exporter, &pause, "http://collector");
         let s = NS_PER_SEC;
         st.batch(sheds(3), 0);
-        assert_eq!(*exporter.calls.lock().unwrap(), [3]);
+        assert_eq!(*exporter.0.calls.lock().unwrap(), [3]);
         assert_eq!(st.probe_in(0), None, "export works: no probing");
 
-        exporter.down.store(true, Ordering::SeqCst);
+        exporter.0.down.store(true, Ordering::SeqCst);
         st.batch(sheds(2), 10 * s);
         assert!(pause.active(10 * s) && !pause.active(11 * s));
         assert_eq!(st.probe_in(10 * s), Some(Duration::from_secs(1)));
         st.batch(sheds(4), 10 * s + 1);
         assert_eq!(
-            exporter.calls.lock().unwrap().len(),
+            exporter.0.calls.lock().unwrap().len(),
             2,
             "dropped while paused"
         );
         st.probe(10 * s + 2);
         assert_eq!(
-            exporter.calls.lock().unwrap().len(),
+            exporter.0.calls.lock().unwrap().len(),
             2,
             "no probe before the pause ends"
         );
@@ -1406,21 +1489,21 @@ mod tests {
         for wait in [2, 4, 8, 16, 30, 30] {
             st.probe(now);
             assert_eq!(
-                exporter.calls.lock().unwrap().last(),
+                exporter.0.calls.lock().unwrap().last(),
                 Some(&0),
                 "an empty probe"
             );
             assert_eq!(st.probe_in(now), Some(Duration::from_secs(wait)));
             now += wait * s;
         }
-        exporter.down.store(false, Ordering::SeqCst);
+        exporter.0.down.store(false, Ordering::SeqCst);
         st.probe(now);
         assert_eq!(st.probe_in(now), None);
         assert!(!pause.active(now));
         st.batch(sheds(5), now);
-        assert_eq!(exporter.calls.lock().unwrap().last(), Some(&5));
+        assert_eq!(exporter.0.calls.lock().unwrap().last(), Some(&5));
         // The next outage starts again at 1 s.
-        exporter.down.store(true, Ordering::SeqCst);
+        exporter.0.down.store(true, Ordering::SeqCst);
         st.batch(sheds(1), now);
         assert_eq!(st.probe_in(now), Some(Duration::from_secs(1)));
     }

@@ -273,6 +273,76 @@ fn serve_one(stream: std::net::TcpStream, reqs: Recorded) {
     }
 }
 
+/// A minimal OTLP/gRPC collector: an HTTP/2 server that records each request (path and message,
+/// without gRPC's five-byte frame header) and answers an empty `ExportTraceServiceResponse` with
+/// `grpc-status: 0`.
+pub struct GrpcRecorder {
+    pub addr: String,
+    pub requests: Recorded,
+}
+
+impl GrpcRecorder {
+    pub fn start() -> GrpcRecorder {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind gRPC recorder");
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let requests: Recorded = Arc::new(Mutex::new(Vec::new()));
+        let reqs = requests.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                while let Ok((stream, _)) = listener.accept().await {
+                    let reqs = reqs.clone();
+                    let svc = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            let reqs = reqs.clone();
+                            async move {
+                                use http_body_util::BodyExt;
+                                let path = req.uri().path().to_string();
+                                let body = req
+                                    .into_body()
+                                    .collect()
+                                    .await
+                                    .map(|b| b.to_bytes())
+                                    .unwrap_or_default();
+                                if body.len() >= 5 {
+                                    reqs.lock().unwrap().push((path, body[5..].to_vec()));
+                                }
+                                let mut trailers = hyper::HeaderMap::new();
+                                trailers.insert(
+                                    "grpc-status",
+                                    hyper::header::HeaderValue::from_static("0"),
+                                );
+                                let frames = futures_util::stream::iter([
+                                    Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(
+                                        bytes::Bytes::from_static(&[0, 0, 0, 0, 0]),
+                                    )),
+                                    Ok(hyper::body::Frame::trailers(trailers)),
+                                ]);
+                                hyper::Response::builder()
+                                    .header("content-type", "application/grpc")
+                                    .body(http_body_util::StreamBody::new(frames))
+                            }
+                        },
+                    );
+                    tokio::spawn(async move {
+                        let _ = hyper::server::conn::http2::Builder::new(
+                            hyper_util::rt::TokioExecutor::new(),
+                        )
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+                    });
+                }
+            });
+        });
+        GrpcRecorder { addr, requests }
+    }
+}
+
 /// The value of a sample in Prometheus text, by exact series (name and labels as rendered).
 pub fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|l| {
