@@ -435,7 +435,7 @@ fn a_queued_caller_that_hangs_up_leaks_no_slot() {
         d.release(first.body["lease_id"].as_str().unwrap()).status,
         200
     );
-    assert!(eventually(Duration::from_secs(1), || {
+    assert!(eventually(Duration::from_secs(5), || {
         let a = d.admit(call("t", "s", "x"));
         if a.status == 200 {
             d.release(a.body["lease_id"].as_str().unwrap());
@@ -541,10 +541,10 @@ fn sighup_reloads_the_config() {
         .admit(call("t", "s", "x"))
         .body["limit"]
         == 10));
-    assert!(d
+    assert!(eventually(Duration::from_secs(5), || d
         .log_lines()
         .iter()
-        .any(|l| l.contains("SIGHUP: config reloaded")));
+        .any(|l| l.contains("SIGHUP: config reloaded"))));
 }
 
 #[test]

@@ -13,6 +13,30 @@ use super::error::ApiError;
 /// The largest request body accepted.
 pub const MAX_BODY: usize = 64 * 1024;
 
+/// How much of an oversized body is read and thrown away before the 413 goes out, and for how long at
+/// most: a client still sending its body then reads the answer instead of a reset connection (closing a
+/// socket with unread data resets it). Larger or slower bodies are cut off.
+const DRAIN_LIMIT: usize = 1024 * 1024;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Reads and discards what is left of a body that will not be used (see [`DRAIN_LIMIT`]).
+pub async fn drain<S, B>(stream: &mut S)
+where
+    S: Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: Buf,
+{
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut read = 0;
+        while let Some(Ok(chunk)) = stream.next().await {
+            read += chunk.remaining();
+            if read > DRAIN_LIMIT {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
 fn too_large() -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
@@ -66,6 +90,7 @@ where
     };
     let mut first = first.map_err(read_error)?;
     if first.remaining() > MAX_BODY {
+        drain(&mut stream).await;
         return Err(too_large());
     }
     let first = first.copy_to_bytes(first.remaining());
@@ -77,6 +102,7 @@ where
     while let Some(chunk) = next {
         let mut chunk = chunk.map_err(read_error)?;
         if buf.len() + chunk.remaining() > MAX_BODY {
+            drain(&mut stream).await;
             return Err(too_large());
         }
         while chunk.has_remaining() {

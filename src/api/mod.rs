@@ -155,12 +155,17 @@ where
     }
 }
 
-async fn json_body<S, B>(headers: &HeaderMap, body: S) -> Result<bytes::Bytes, ApiError>
+async fn json_body<S, B>(headers: &HeaderMap, mut body: S) -> Result<bytes::Bytes, ApiError>
 where
     S: Stream<Item = Result<B, warp::Error>> + Unpin,
     B: Buf,
 {
-    body::check_headers(headers)?;
+    if let Err(e) = body::check_headers(headers) {
+        if e.status == StatusCode::PAYLOAD_TOO_LARGE {
+            body::drain(&mut body).await;
+        }
+        return Err(e);
+    }
     body::read_limited(body).await
 }
 
