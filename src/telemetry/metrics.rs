@@ -26,34 +26,10 @@ use super::histogram::{Histogram, Histograms};
 use super::labels::LabelCap;
 use super::names::*;
 use super::rawindex::{prefetch, RawIndex, RawRef};
-use super::{hash_identity, Batch, DecisionEvent, DecisionKind, Event, TenantEvent};
+use super::{hash_identity, Batch, DecisionEvent, DecisionKind, Event, TenantEvent, Throttle};
 use crate::clock::{Clock, NS_PER_SEC};
-use crate::config::{BucketSpec, TelemetryConfig};
-use crate::engine::bucket::{Bucket, Gcra, Take};
+use crate::config::TelemetryConfig;
 use crate::engine::Scope;
-
-/// A token bucket for log lines.
-#[derive(Debug)]
-pub struct LogThrottle {
-    g: Gcra,
-    bucket: Bucket,
-}
-
-impl LogThrottle {
-    pub fn new(per_sec: f64) -> Self {
-        let per_sec = per_sec.max(0.001);
-        LogThrottle {
-            g: Gcra::new(BucketSpec::new(per_sec, per_sec.max(1.0))),
-            bucket: Bucket::default(),
-        }
-    }
-
-    /// Whether one more line may be written at `now`.
-    pub fn allow(&mut self, now: u64) -> bool {
-        let inc = self.g.increment(1.0);
-        matches!(self.bucket.take(&self.g, now, inc, 0), Take::Ok { .. })
-    }
-}
 
 /// The (capped) labels of an admission series.
 type AdmissionKey = (
@@ -134,7 +110,7 @@ pub struct MetricsActor {
     /// The label of calls without an upstream.
     none: Arc<str>,
     clock: Arc<dyn Clock>,
-    throttle: LogThrottle,
+    throttle: Throttle,
     suppressed_total: u64,
     suppressed_recent: u64,
     /// Each tenant label's gauges (set once a second per tenant: a handle is one store, a registry
@@ -189,7 +165,7 @@ impl MetricsActor {
             caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
             none: Arc::from(NO_UPSTREAM),
             clock,
-            throttle: LogThrottle::new(cfg.refusal_log_per_sec),
+            throttle: Throttle::new(cfg.refusal_log_per_sec),
             suppressed_total: 0,
             suppressed_recent: 0,
             tenant_gauges: HashMap::new(),
@@ -442,7 +418,6 @@ impl MetricsActor {
                         u.set(used);
                         l.set(limit);
                     }
-
                     // A budget whose state was dropped (or whose tenant stopped) is back at its
                     // configured rate with no throttle: say so rather than freeze the last value.
                     let before = self.upstream_rates.remove(&tenant).unwrap_or_default();
@@ -493,7 +468,7 @@ impl MetricsActor {
             .set_max_subjects(cfg.max_subjects_per_tenant, cfg.max_subjects_total);
         // Names folded into `__other__` under the old caps may have room now.
         self.decisions.clear();
-        self.throttle = LogThrottle::new(cfg.refusal_log_per_sec);
+        self.throttle = Throttle::new(cfg.refusal_log_per_sec);
     }
 
     fn tick(&mut self) {
@@ -674,15 +649,5 @@ mod tests {
             Some(6.0),
             "{text}"
         );
-    }
-
-    #[test]
-    fn the_log_throttle_allows_its_rate_and_no_more() {
-        let mut t = LogThrottle::new(20.0);
-        let allowed = (0..100).filter(|_| t.allow(NS_PER_SEC)).count();
-        assert_eq!(allowed, 20, "a burst of one second's worth");
-        // one more line every 50 ms
-        assert!(!t.allow(NS_PER_SEC + 49_000_000));
-        assert!(t.allow(NS_PER_SEC + 50_000_000));
     }
 }

@@ -21,8 +21,9 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use crate::clock::Clock;
-use crate::config::Config;
+use crate::clock::{Clock, Nanos};
+use crate::config::{BucketSpec, Config};
+use crate::engine::bucket::{Bucket, Gcra, Take};
 use crate::engine::{Scope, TenantGauges};
 
 /// Mailbox size of each telemetry actor: about a second of events at full load.
@@ -346,6 +347,30 @@ pub struct Started {
     pub arbiter: Arbiter,
 }
 
+/// At most `per_sec` events a second, with a burst of one second's worth (a GCRA bucket, as the
+/// engine's): refusal log lines, spans.
+#[derive(Debug)]
+pub struct Throttle {
+    g: Gcra,
+    bucket: Bucket,
+}
+
+impl Throttle {
+    pub fn new(per_sec: f64) -> Self {
+        let per_sec = per_sec.max(0.001);
+        Throttle {
+            g: Gcra::new(BucketSpec::new(per_sec, per_sec.max(1.0))),
+            bucket: Bucket::default(),
+        }
+    }
+
+    /// Whether one more event may go at monotonic time `now`.
+    pub fn allow(&mut self, now: Nanos) -> bool {
+        let inc = self.g.increment(1.0);
+        matches!(self.bucket.take(&self.g, now, inc, 0), Take::Ok { .. })
+    }
+}
+
 /// Installs the Prometheus recorder and starts the telemetry actors on their own arbiter. Must run
 /// inside the actix system.
 pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
@@ -420,7 +445,21 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::hash_identity;
+    use super::{hash_identity, Throttle};
+    use crate::clock::NS_PER_SEC;
+
+    #[test]
+    fn a_throttle_allows_a_second_of_its_rate_at_once_then_its_rate() {
+        let mut t = Throttle::new(20.0);
+        let allowed = (0..100).filter(|_| t.allow(NS_PER_SEC)).count();
+        assert_eq!(allowed, 20, "a burst of one second's worth");
+        // one more every 50 ms
+        assert!(!t.allow(NS_PER_SEC + 49_000_000));
+        assert!(t.allow(NS_PER_SEC + 50_000_000));
+        assert!(!t.allow(NS_PER_SEC + 50_000_000));
+        // a long quiet spell gives one second's worth again, not more
+        assert_eq!((0..100).filter(|_| t.allow(60 * NS_PER_SEC)).count(), 20);
+    }
 
     #[test]
     fn identities_hash_to_sixteen_hex_digits_of_fnv1a() {

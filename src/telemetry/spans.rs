@@ -43,7 +43,9 @@ use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
 use opentelemetry_sdk::Resource;
 
-use super::{hex16, names, DecisionEvent, DecisionKind, Event, FeedbackEvent, ReleaseEvent};
+use super::{
+    hex16, names, DecisionEvent, DecisionKind, Event, FeedbackEvent, ReleaseEvent, Throttle,
+};
 use crate::clock::{Clock, Nanos, NS_PER_SEC};
 use crate::config::{OtlpConfig, OtlpProtocol};
 use crate::engine::Scope;
@@ -135,47 +137,6 @@ impl Sampler {
         match parent {
             Some(p) => p.sampled,
             None => ((trace_id as u64) >> 1) < self.bound,
-        }
-    }
-}
-
-/// At most `per_sec` spans a second, as a token bucket holding one second of them, so a burst of
-/// calls after a quiet spell gets its spans and a sustained flood gets `per_sec` of them a second.
-/// Exporting a span costs a few microseconds of CPU on the daemon and more on the collector; without
-/// a limit a daemon deciding tens of thousands of calls a second would spend a fifth of a core on them.
-#[derive(Debug, Clone)]
-pub struct SpanBudget {
-    /// 0: no limit.
-    per_sec: u32,
-    tokens: f64,
-    last: Nanos,
-}
-
-impl SpanBudget {
-    pub fn new(per_sec: u32, now: Nanos) -> Self {
-        SpanBudget {
-            per_sec,
-            tokens: f64::from(per_sec),
-            last: now,
-        }
-    }
-
-    /// Takes one span's place at monotonic time `now`; false when this second's spans are spent.
-    pub fn take(&mut self, now: Nanos) -> bool {
-        if self.per_sec == 0 {
-            return true;
-        }
-        let rate = f64::from(self.per_sec);
-        if now > self.last {
-            let refill = (now - self.last) as f64 * rate / NS_PER_SEC as f64;
-            self.tokens = (self.tokens + refill).min(rate);
-            self.last = now;
-        }
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
         }
     }
 }
@@ -767,7 +728,10 @@ pub struct SpanActor {
     clock: Arc<dyn Clock>,
     lease_ttl: Duration,
     sampler: Sampler,
-    budget: SpanBudget,
+    /// At most `max_spans_per_second` spans a second (none: no limit). Exporting a span costs a few
+    /// microseconds of CPU here and more on the collector; unbounded, a daemon deciding tens of
+    /// thousands of calls a second would spend a fifth of its core on them.
+    budget: Option<Throttle>,
     /// Monotonic time of the batch being handled.
     now: Nanos,
     /// Sampled calls of the batch being handled that got no span because the budget was spent.
@@ -808,7 +772,8 @@ impl SpanActor {
             clock,
             lease_ttl,
             sampler: Sampler::new(cfg.sample_ratio),
-            budget: SpanBudget::new(cfg.max_spans_per_second, now),
+            budget: (cfg.max_spans_per_second > 0)
+                .then(|| Throttle::new(f64::from(cfg.max_spans_per_second))),
             now,
             over_budget: 0,
             ids: Ids::seeded(),
@@ -817,6 +782,16 @@ impl SpanActor {
             to_export,
             paused,
         }
+    }
+
+    /// Takes a place in the span budget; counts the call when there is none.
+    fn within_budget(&mut self) -> bool {
+        let now = self.now;
+        let ok = self.budget.as_mut().is_none_or(|b| b.allow(now));
+        if !ok {
+            self.over_budget += 1;
+        }
+        ok
     }
 
     fn finish(&mut self, f: Finished) {
@@ -852,8 +827,7 @@ impl SpanActor {
         if !self.sampler.sampled(parent, trace_id) {
             return;
         }
-        if !self.budget.take(self.now) {
-            self.over_budget += 1;
+        if !self.within_budget() {
             return;
         }
         let start_ns = d.start_unix_ns.min(u128::from(u64::MAX)) as u64;
@@ -904,8 +878,7 @@ impl SpanActor {
         if !self.sampler.sampled(None, trace_id) {
             return;
         }
-        if !self.budget.take(self.now) {
-            self.over_budget += 1;
+        if !self.within_budget() {
             return;
         }
         let span_id = self.ids.next();
@@ -1313,25 +1286,6 @@ mod tests {
             spans[0].parent_span_id,
             SpanId::from_hex("b7ad6b7169203331").unwrap()
         );
-    }
-
-    #[test]
-    fn the_span_budget_holds_one_second_of_spans_and_refills_at_its_rate() {
-        let mut b = SpanBudget::new(10, 0);
-        assert_eq!(
-            (0..25).filter(|_| b.take(0)).count(),
-            10,
-            "a burst of one second"
-        );
-        assert!(!b.take(50_000_000), "half a token after 50 ms");
-        assert!(b.take(100_000_000), "one token after 100 ms");
-        assert!(!b.take(100_000_000));
-        // a long quiet spell refills one second's worth, not more
-        assert_eq!((0..25).filter(|_| b.take(60 * NS_PER_SEC)).count(), 10);
-        // a clock that does not move forward refills nothing
-        assert!(!b.take(59 * NS_PER_SEC));
-        let mut unlimited = SpanBudget::new(0, 0);
-        assert!((0..100_000).all(|_| unlimited.take(0)), "0 is no limit");
     }
 
     #[test]
