@@ -2,6 +2,8 @@
 //!
 //! The body is read as a stream and cut off at 64 KiB whether or not the client sent a
 //! `Content-Length`, so neither a lying header nor a chunked upload can make the daemon buffer more.
+//! What is left of an oversized body is read and thrown away (up to 1 MiB, for 1 s at most) before
+//! the 413 goes out, so that a client still sending reads the answer rather than a reset.
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};

@@ -21,7 +21,8 @@
 //! hundred bytes built from about thirty small allocations), so the actor does not go through the
 //! SDK's tracer. It keeps a compact record per span (ids, times, shared names, numbers) and hands
 //! finished records to an export thread in batches of [`EXPORT_BATCH`]. The export thread turns them
-//! into the SDK's `SpanData` and gives them to the `opentelemetry-otlp` exporter. The queue between
+//! into the SDK's `SpanData` and gives them to the `opentelemetry-otlp` exporter (the blocking HTTP
+//! client, or tonic on a single-threaded runtime of the thread's own for gRPC). The queue between
 //! the two is bounded: a slow collector costs dropped spans, never admission time. After an export
 //! fails, the export thread drops spans without building them for a back-off (1 s, doubling to 30 s),
 //! so a collector that is down costs almost nothing. Dropped spans are counted in
