@@ -527,6 +527,54 @@ fn reload_swaps_policy_without_resetting_state() {
 
 #[cfg(unix)]
 #[test]
+fn sigterm_answers_the_call_in_flight_then_exits() {
+    // One token a second: the second call is held about a second, and SIGTERM arrives during the hold.
+    let mut d =
+        Daemon::start("[server]\nmax_wait = \"5s\"\n[limits.subject]\nrate = \"1/s\"\nburst = 1\n");
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+    let held = {
+        let (client, url) = (d.client.clone(), d.url("/v1/admit"));
+        std::thread::spawn(move || {
+            client
+                .post(url)
+                .json(&json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 3000}))
+                .send()
+                .map(|r| r.status().as_u16())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let sent = Instant::now();
+    let ok = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(d.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    // The held call is decided as if nothing happened: admitted once its token is minted.
+    assert_eq!(
+        held.join().unwrap().expect("the held call was answered"),
+        200
+    );
+    // ... and the daemon then exits on its own, cleanly, well before the 5 s it allows for answers.
+    let status = loop {
+        if let Some(status) = d.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(8),
+            "admitd still runs {:?} after SIGTERM",
+            sent.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit status {status}");
+    assert!(eventually(Duration::from_secs(2), || d
+        .log_lines()
+        .iter()
+        .any(|l| l.contains("shutting down"))));
+}
+
+#[test]
 fn sighup_reloads_the_config() {
     let d = Daemon::start(RELOAD_BEFORE);
     assert_eq!(d.admit(call("t", "s", "x")).body["limit"], 5);
