@@ -116,17 +116,52 @@ pub async fn admit(
         max_wait_ns,
     };
     let tenant = &*b.tenant;
+    let sent = shared.clock.mono();
+    let reply = shared.admit(tenant, req, sent).await?;
+    // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
+    let decision_ns = started.elapsed().as_nanos() as u64;
+    let (decision, tenant_name) = match reply {
+        AdmitReply::Decided(d, name) if !must_hold(&d, shadow) => (d, name),
+        // Waiting is the exception, so its state lives in a box of its own: the request's future,
+        // moved several times on its way into the connection task, stays small.
+        reply => Box::pin(wait_out(shared, tenant, reply, max_wait_ns, shadow)).await?,
+    };
+
+    let (response, event) = answer(
+        tenant_name,
+        &decision,
+        b.call_id,
+        headers,
+        decision_ns,
+        start_unix_ns,
+        traced,
+    );
+    shared.telemetry.decision(event);
+    Ok(response)
+}
+
+/// Whether an admitted call must sleep out its hold before it is answered.
+fn must_hold(d: &Decision, shadow: bool) -> bool {
+    matches!(&d.verdict, Verdict::Admitted(a) if a.hold_ns > 0 && !shadow)
+}
+
+/// The waiting part of an admission: a call queued for a concurrency slot until the actor decides
+/// it, and an admitted call held until its reservation is due. If the request is dropped meanwhile
+/// (the caller hung up), the guard gives back the queue place or the reservation.
+async fn wait_out(
+    shared: &Arc<Shared>,
+    tenant: &str,
+    reply: AdmitReply,
+    max_wait_ns: u64,
+    shadow: bool,
+) -> Result<(Decision, Arc<str>), ApiError> {
     let mut guard = HoldGuard {
         shared,
         tenant,
         lease: None,
         waiter: None,
     };
-    let sent = shared.clock.mono();
-    let reply = shared.admit(tenant, req, sent).await?;
-    // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
-    let decision_ns = started.elapsed().as_nanos() as u64;
-    let (decision, tenant_name) = match reply {
+    let (mut decision, tenant_name) = match reply {
         AdmitReply::Decided(d, name) => (d, name),
         AdmitReply::Late => return Err(AskError::Timeout.into()),
         AdmitReply::Queued { waiter, mut rx } => {
@@ -151,9 +186,8 @@ pub async fn admit(
             (d, Arc::from(tenant))
         }
     };
-    let mut decision = decision;
     if let Verdict::Admitted(a) = &decision.verdict {
-        if a.hold_ns > 0 && !shadow {
+        if must_hold(&decision, shadow) {
             let lease = a.lease;
             guard.lease = Some(lease);
             tokio::time::sleep(Duration::from_nanos(a.hold_ns)).await;
@@ -169,18 +203,7 @@ pub async fn admit(
             guard.lease = None;
         }
     }
-
-    let (response, event) = answer(
-        tenant_name,
-        &decision,
-        b.call_id,
-        headers,
-        decision_ns,
-        start_unix_ns,
-        traced,
-    );
-    shared.telemetry.decision(event);
-    Ok(response)
+    Ok((decision, tenant_name))
 }
 
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
