@@ -27,6 +27,12 @@
 //! timeout, and the floor serves loopback only and stops after `--lifetime` seconds even if nobody
 //! stops it.
 
+// The same allocator as the daemon (src/main.rs), so that the floor differs from admitd only in what
+// admitd does, not in how it allocates.
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
