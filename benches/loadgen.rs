@@ -1045,6 +1045,31 @@ fn floor_runtime(threads: usize) -> io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
+/// Serves the floor's routes on `listener` with the HTTP settings admitd serves with (see
+/// `serve_http` in src/server.rs): warp's service on hyper's HTTP/1 + h2c connections, responses
+/// written from one buffer (`writev(false)`). Connections are tasks of the multi-threaded runtime.
+async fn serve_floor(listener: tokio::net::TcpListener) {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::server::conn::auto;
+    use hyper_util::service::TowerToHyperService;
+
+    let service = warp::service(floor_routes());
+    loop {
+        let Ok((io, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let service = TowerToHyperService::new(service.clone());
+        tokio::spawn(async move {
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            builder.http1().writev(false);
+            let _ = builder
+                .serve_connection_with_upgrades(TokioIo::new(io), service)
+                .await;
+        });
+    }
+}
+
 /// Serves the floor on 127.0.0.1:`port` until killed or `lifetime` passes.
 fn floor_only(port: u16, threads: usize, lifetime: f64) -> Result<(), String> {
     let rt = floor_runtime(threads).map_err(|e| format!("cannot start a runtime: {e}"))?;
@@ -1056,7 +1081,7 @@ fn floor_only(port: u16, threads: usize, lifetime: f64) -> Result<(), String> {
             "floor listening on http://127.0.0.1:{port} (worker threads: {threads}, pid {})",
             std::process::id()
         );
-        let server = warp::serve(floor_routes()).incoming(listener).run();
+        let server = serve_floor(listener);
         let _ = tokio::time::timeout(Duration::from_secs_f64(lifetime), server).await;
         Ok(())
     })
@@ -1090,7 +1115,7 @@ fn floor_in_process(threads: usize, lifetime: f64) -> Result<u16, String> {
                 };
                 let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
                 let _ = tx.send(Ok(port));
-                let server = warp::serve(floor_routes()).incoming(listener).run();
+                let server = serve_floor(listener);
                 let _ = tokio::time::timeout(Duration::from_secs_f64(lifetime), server).await;
             })
         })
