@@ -544,12 +544,7 @@ fn sigterm_answers_the_call_in_flight_then_exits() {
     };
     std::thread::sleep(Duration::from_millis(300));
     let sent = Instant::now();
-    let ok = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(d.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    d.signal("TERM");
     // The held call is decided as if nothing happened: admitted once its token is minted.
     assert_eq!(
         held.join().unwrap().expect("the held call was answered"),
@@ -579,12 +574,7 @@ fn sighup_reloads_the_config() {
     let d = Daemon::start(RELOAD_BEFORE);
     assert_eq!(d.admit(call("t", "s", "x")).body["limit"], 5);
     d.rewrite_config(RELOAD_AFTER);
-    let ok = std::process::Command::new("kill")
-        .arg("-HUP")
-        .arg(d.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    d.signal("HUP");
     assert!(eventually(Duration::from_secs(5), || d
         .admit(call("t", "s", "x"))
         .body["limit"]

@@ -166,6 +166,16 @@ impl Daemon {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Sends the daemon a signal by name (`"HUP"`, `"TERM"`).
+    pub fn signal(&self, name: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill");
+        assert!(ok.success(), "kill -{name} failed");
+    }
 }
 
 impl Drop for Daemon {
