@@ -570,6 +570,52 @@ fn sigterm_answers_the_call_in_flight_then_exits() {
 }
 
 #[test]
+fn a_daemon_out_of_file_descriptors_says_so_and_recovers() {
+    // Few enough descriptors that a few dozen idle connections use up the rest.
+    let d = Daemon::start_with_fd_limit("", 64);
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+    // Open connections (each answered once, then kept idle) until one is no longer taken: the
+    // kernel still completes the handshake, but admitd cannot accept it.
+    let mut idle = Vec::new();
+    let mut stalled = None;
+    for _ in 0..100 {
+        let mut s = TcpStream::connect(&d.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        write!(s, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut buf = [0u8; 512];
+        match s.read(&mut buf) {
+            Ok(n) if n > 0 => idle.push(s),
+            _ => {
+                stalled = Some(s);
+                break;
+            }
+        }
+    }
+    let stalled = stalled.expect("100 connections never exhausted 64 descriptors");
+    assert!(eventually(Duration::from_secs(5), || d
+        .log_lines()
+        .iter()
+        .any(|l| l.contains("cannot accept a connection"))));
+    // Closing the idle connections frees descriptors: the daemon accepts again by itself, the
+    // connection that waited in the backlog included, and admits as before.
+    drop(idle);
+    let mut stalled = stalled;
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = stalled
+        .read(&mut buf)
+        .expect("the waiting connection was served");
+    assert!(
+        String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+}
+
+#[test]
 fn sighup_reloads_the_config() {
     let d = Daemon::start(RELOAD_BEFORE);
     assert_eq!(d.admit(call("t", "s", "x")).body["limit"], 5);

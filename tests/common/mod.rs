@@ -53,8 +53,33 @@ impl Daemon {
         Self::spawn(Some(f))
     }
 
+    /// Starts the daemon with this config text and at most `max_fds` open file descriptors
+    /// (`ulimit -n`).
+    pub fn start_with_fd_limit(config: &str, max_fds: u32) -> Daemon {
+        let mut f = tempfile::Builder::new()
+            .suffix(".toml")
+            .tempfile()
+            .expect("temp config");
+        f.write_all(config.as_bytes()).expect("write config");
+        Self::spawn_with(Some(f), Some(max_fds))
+    }
+
     fn spawn(config: Option<tempfile::NamedTempFile>) -> Daemon {
-        let mut cmd = Command::new(bin());
+        Self::spawn_with(config, None)
+    }
+
+    fn spawn_with(config: Option<tempfile::NamedTempFile>, max_fds: Option<u32>) -> Daemon {
+        let mut cmd = match max_fds {
+            // The shell lowers the limit and then becomes admitd (`exec`), so the child is admitd.
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(bin());
+                c
+            }
+            None => Command::new(bin()),
+        };
         cmd.arg("serve").arg("--listen").arg("127.0.0.1:0");
         if let Some(f) = &config {
             cmd.arg("--config").arg(f.path());
