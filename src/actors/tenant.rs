@@ -124,14 +124,12 @@ impl TenantActor {
     fn tick(&mut self, ctx: &mut Context<Self>) {
         let (now, wall) = self.now();
         let (expired, granted) = self.engine.expire_leases(now, wall);
-        for (subject, tool, upstream) in expired {
+        if !expired.is_empty() {
             self.shared
                 .telemetry
-                .tenant_event(TenantEvent::LeaseExpired {
+                .tenant_event(TenantEvent::LeasesExpired {
                     tenant: self.engine.tenant().clone(),
-                    subject,
-                    tool,
-                    upstream,
+                    leases: expired,
                 });
         }
         self.deliver(granted);

@@ -26,7 +26,9 @@ use super::histogram::{Histogram, Histograms};
 use super::labels::LabelCap;
 use super::names::*;
 use super::rawindex::{prefetch, RawIndex, RawRef};
-use super::{hash_identity, Batch, DecisionEvent, DecisionKind, Event, TenantEvent, Throttle};
+use super::{
+    hash_identity, Batch, DecisionEvent, DecisionKind, Event, ExpiredLease, TenantEvent, Throttle,
+};
 use crate::clock::{Clock, NS_PER_SEC};
 use crate::config::TelemetryConfig;
 use crate::engine::Scope;
@@ -104,6 +106,8 @@ pub struct MetricsActor {
     tool_durations: Handles<ToolKey, Arc<Histogram>>,
     /// `admitd_upstream_responses_total` by (tenant, upstream, status) label.
     responses: Handles<(Arc<str>, Arc<str>, u16), Counter>,
+    /// `admitd_lease_expiries_total` by (tenant, subject, tool, upstream) label.
+    lease_expiries: Handles<(Arc<str>, Arc<str>, Arc<str>, Arc<str>), Counter>,
     decision_hist: Arc<Histogram>,
     histograms: Arc<Histograms>,
     caps: LabelCap,
@@ -160,6 +164,7 @@ impl MetricsActor {
             retries: Handles::default(),
             tool_durations: Handles::default(),
             responses: Handles::default(),
+            lease_expiries: Handles::default(),
             decision_hist: histograms.decision.series(&[]),
             histograms,
             caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
@@ -297,6 +302,29 @@ impl MetricsActor {
     }
 
     /// Counts an upstream response reported on release or feedback.
+    /// The `admitd_lease_expiries_total` counter of an expired lease's call. A server that stops
+    /// releasing expires every lease it holds, and building the labels and looking each one up in
+    /// the registry held the telemetry thread (and so the core it shares) for hundreds of
+    /// microseconds at every tick; the handles are kept by capped labels, which the caps bound.
+    fn lease_expiry(&mut self, tenant: &Arc<str>, lease: &ExpiredLease) -> &Counter {
+        let (t, s, tool) = self.caps.call(tenant, &lease.0, &lease.1);
+        let key = (t, s, tool, self.upstream_label(&lease.2));
+        if !self.lease_expiries.contains_key(&key) {
+            let c = counter!(
+                LEASE_EXPIRIES,
+                "tenant" => key.0.to_string(),
+                "subject" => key.1.to_string(),
+                "tool" => key.2.to_string(),
+                "upstream" => key.3.to_string(),
+            );
+            if self.lease_expiries.len() >= HANDLE_CACHE {
+                self.lease_expiries.clear();
+            }
+            self.lease_expiries.insert(key.clone(), c);
+        }
+        &self.lease_expiries[&key]
+    }
+
     fn upstream_response(&mut self, tenant: Arc<str>, upstream: Arc<str>, status: u16) {
         let key = (tenant, upstream, status);
         if let Some(c) = self.responses.get(&key) {
@@ -380,22 +408,10 @@ impl MetricsActor {
                 self.upstream_response(tenant, upstream, f.status);
             }
             Event::Tenant(t) => match &**t {
-                TenantEvent::LeaseExpired {
-                    tenant,
-                    subject,
-                    tool,
-                    upstream,
-                } => {
-                    let (tenant, subject, tool) = self.caps.call(tenant, subject, tool);
-                    let upstream = self.upstream_label(upstream);
-                    counter!(
-                        LEASE_EXPIRIES,
-                        "tenant" => tenant.to_string(),
-                        "subject" => subject.to_string(),
-                        "tool" => tool.to_string(),
-                        "upstream" => upstream.to_string(),
-                    )
-                    .increment(1);
+                TenantEvent::LeasesExpired { tenant, leases } => {
+                    for lease in leases {
+                        self.lease_expiry(tenant, lease).increment(1);
+                    }
                 }
                 TenantEvent::Gauges { tenant, gauges, .. } => {
                     let tenant = self.caps.tenant(tenant);
@@ -649,5 +665,47 @@ mod tests {
             Some(6.0),
             "{text}"
         );
+    }
+
+    #[test]
+    fn expired_leases_count_by_their_capped_labels_however_many_come_in_one_event() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let mut cfg = Config::default().telemetry;
+        cfg.max_subjects_per_tenant = 1;
+        let expired = |leases: &[(&str, Option<&str>)]| {
+            Event::Tenant(Arc::new(TenantEvent::LeasesExpired {
+                tenant: Arc::from("acme"),
+                leases: leases
+                    .iter()
+                    .map(|(s, u)| (Arc::from(*s), Arc::from("search"), u.map(Arc::from)))
+                    .collect(),
+            }))
+        };
+        metrics::with_local_recorder(&recorder, || {
+            let clock = Arc::new(FakeClock::new(0));
+            let mut m = MetricsActor::new(&cfg, clock, Arc::new(Histograms::default()));
+            m.record_batch(&[
+                expired(&[("alice", None), ("alice", None), ("bob", Some("crm"))]),
+                expired(&[("alice", None)]),
+            ]);
+            // A reload with room for bob: his next expiry gets its own series.
+            cfg.max_subjects_per_tenant = 2;
+            m.reconfigure(&cfg);
+            m.record_batch(&[expired(&[("bob", Some("crm"))])]);
+        });
+        let text = handle.render();
+        let series = |subject: &str, upstream: &str| {
+            format!(
+                "admitd_lease_expiries_total{{tenant=\"acme\",subject=\"{subject}\",tool=\"search\",upstream=\"{upstream}\"}}"
+            )
+        };
+        assert_eq!(value(&text, &series("alice", "none")), Some(3.0), "{text}");
+        assert_eq!(
+            value(&text, &series("__other__", "crm")),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(value(&text, &series("bob", "crm")), Some(1.0), "{text}");
     }
 }

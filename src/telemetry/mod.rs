@@ -136,14 +136,17 @@ pub struct CallCounts {
     pub shed: u64,
 }
 
+/// The labels of an expired lease's call: (subject, tool, upstream).
+pub type ExpiredLease = (Arc<str>, Arc<str>, Option<Arc<str>>);
+
 /// State changes and samples from the actors.
 #[derive(Debug, Clone)]
 pub enum TenantEvent {
-    LeaseExpired {
+    /// The leases that expired at one tick of a tenant actor, as (subject, tool, upstream): one
+    /// event per tick rather than per lease, since a server that stops releasing expires every one.
+    LeasesExpired {
         tenant: Arc<str>,
-        subject: Arc<str>,
-        tool: Arc<str>,
-        upstream: Option<Arc<str>>,
+        leases: Vec<ExpiredLease>,
     },
     /// Sent by every tenant actor once a second (and when it stops).
     Gauges {
