@@ -55,6 +55,9 @@ struct DecisionSeries {
 /// The (capped) labels of a tool-duration series: tenant, tool, upstream.
 type ToolKey = (Arc<str>, Arc<str>, Arc<str>);
 
+/// The (capped) labels of a lease-expiry series: tenant, subject, tool, upstream.
+type CallKey = (Arc<str>, Arc<str>, Arc<str>, Arc<str>);
+
 impl DecisionSeries {
     /// Starts loading what [`DecisionSeries::record`] will touch.
     fn prefetch(&self) {
@@ -107,7 +110,7 @@ pub struct MetricsActor {
     /// `admitd_upstream_responses_total` by (tenant, upstream, status) label.
     responses: Handles<(Arc<str>, Arc<str>, u16), Counter>,
     /// `admitd_lease_expiries_total` by (tenant, subject, tool, upstream) label.
-    lease_expiries: Handles<(Arc<str>, Arc<str>, Arc<str>, Arc<str>), Counter>,
+    lease_expiries: Handles<CallKey, Counter>,
     decision_hist: Arc<Histogram>,
     histograms: Arc<Histograms>,
     caps: LabelCap,
