@@ -563,10 +563,7 @@ fn sigterm_answers_the_call_in_flight_then_exits() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "exit status {status}");
-    assert!(eventually(Duration::from_secs(2), || d
-        .log_lines()
-        .iter()
-        .any(|l| l.contains("shutting down"))));
+    assert!(d.logged("shutting down", Duration::from_secs(2)));
 }
 
 #[test]
@@ -592,10 +589,7 @@ fn a_daemon_out_of_file_descriptors_says_so_and_recovers() {
         }
     }
     let stalled = stalled.expect("100 connections never exhausted 64 descriptors");
-    assert!(eventually(Duration::from_secs(5), || d
-        .log_lines()
-        .iter()
-        .any(|l| l.contains("cannot accept a connection"))));
+    assert!(d.logged("cannot accept a connection", Duration::from_secs(5)));
     // Closing the idle connections frees descriptors: the daemon accepts again by itself, the
     // connection that waited in the backlog included, and admits as before.
     drop(idle);
@@ -625,10 +619,7 @@ fn sighup_reloads_the_config() {
         .admit(call("t", "s", "x"))
         .body["limit"]
         == 10));
-    assert!(eventually(Duration::from_secs(5), || d
-        .log_lines()
-        .iter()
-        .any(|l| l.contains("SIGHUP: config reloaded"))));
+    assert!(d.logged("SIGHUP: config reloaded", Duration::from_secs(5)));
 }
 
 #[test]

@@ -443,11 +443,7 @@ fn spans_flow_again_once_a_collector_that_was_down_comes_back() {
     shed("early-2"); // shed: its span ends at once
                      // The first export fails (nothing listens): admitd says so once and counts the dropped spans.
     assert!(
-        eventually(Duration::from_secs(10), || {
-            d.log_lines()
-                .iter()
-                .any(|l| l.contains("OTLP span export failed"))
-        }),
+        d.logged("OTLP span export failed", Duration::from_secs(10)),
         "no log line about the failed export"
     );
     let text = d.get("/metrics").body.as_str().unwrap().to_string();
@@ -480,10 +476,7 @@ fn spans_flow_again_once_a_collector_that_was_down_comes_back() {
         }),
         "{text}"
     );
-    assert!(eventually(Duration::from_secs(5), || d
-        .log_lines()
-        .iter()
-        .any(|l| l.contains("OTLP span export works again"))));
+    assert!(d.logged("OTLP span export works again", Duration::from_secs(5)));
 }
 
 #[test]

@@ -188,6 +188,13 @@ impl Daemon {
         self.log.lock().unwrap().clone()
     }
 
+    /// Waits (at most `limit`) for a log line containing `needle`.
+    pub fn logged(&self, needle: &str, limit: Duration) -> bool {
+        eventually(limit, || {
+            self.log_lines().iter().any(|l| l.contains(needle))
+        })
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
