@@ -2,7 +2,8 @@
 //!
 //! Layout: an actix `System` on the main thread (it runs the global actor and the signal handlers) and
 //! `server.workers` arbiters (default: one per core). Every arbiter is a single-threaded runtime that both
-//! hosts a share of the tenant actors and serves HTTP on the same listening socket. A request whose tenant
+//! hosts a share of the tenant actors and serves HTTP on the same listening socket, its connections
+//! being tasks of the same queue as the actors ([`serve_http`]). A request whose tenant
 //! lives on the arbiter that accepted its connection reaches the actor without crossing threads; with one
 //! worker nothing ever does. Each worker also flushes its batch of telemetry events every 10 ms and
 //! ticks its tenant actors once a second. The
@@ -43,6 +44,11 @@ async fn serve_http(
 
     let service = warp::service(api::routes(app));
     let graceful = GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // An answer is a few hundred bytes: copying the body behind the head and writing both with one
+    // `write` costs less than hyper's default of queueing them as two buffers for `writev` (5-7% less
+    // CPU per request, for admitd and the floor alike; docs/BENCHMARKS.md).
+    builder.http1().writev(false);
     let mut stop = std::pin::pin!(stop);
     loop {
         let (io, _) = tokio::select! {
@@ -56,11 +62,6 @@ async fn serve_http(
             () = &mut stop => break,
         };
         let service = TowerToHyperService::new(service.clone());
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        // An answer is a few hundred bytes: copying the body behind the head and writing both with
-        // one `write` costs less than hyper's default of queueing them as two buffers for `writev`
-        // (5-7% less CPU per request, for admitd and the floor alike; docs/BENCHMARKS.md).
-        builder.http1().writev(false);
         let connection = graceful.watch(
             builder
                 .serve_connection_with_upgrades(TokioIo::new(io), service)
