@@ -37,7 +37,7 @@ use crate::engine::AdmitRequest;
 use crate::engine::SharedBudgets;
 use crate::telemetry::Telemetry;
 
-/// Registry shards; also the groups the tenant actors are ticked in (see [`Shared::tick_arbiter`]).
+/// Registry shards. Each holds four of the groups the tenant actors are ticked in ([`TICK_SLOTS`]).
 const SHARDS: usize = 64;
 
 /// Into how many groups the tenant actors of an arbiter are split for ticking: four per registry
@@ -53,8 +53,16 @@ pub const TICK_SLOTS: u64 = 4 * SHARDS as u64;
 /// could only fire when the mailbox was that far behind, which the actor sees for itself.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// (generation, arbiter index, tick slot, address) of a running tenant actor.
-type Entry = (u64, usize, u64, Addr<TenantActor>);
+/// A running tenant actor, as the registry knows it.
+struct Entry {
+    /// Tells this actor from a later one of the same tenant (see [`Shared::registry_remove`]).
+    generation: u64,
+    /// The arbiter it lives on.
+    arbiter: usize,
+    /// Its group for ticking ([`Shared::tick_slot`]), kept so that ticking does not hash names.
+    tick_slot: u64,
+    addr: Addr<TenantActor>,
+}
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// State every part of the daemon shares. Cheap to reach through an `Arc`.
@@ -123,12 +131,12 @@ impl Shared {
 
     /// The tenant's actor, started on its arbiter if it is not running: its generation and address.
     pub fn tenant_or_start(self: &Arc<Self>, tenant: &str) -> (u64, Addr<TenantActor>) {
-        if let Some((g, _, _, a)) = self.shard(tenant).read().get(tenant) {
-            return (*g, a.clone());
+        if let Some(e) = self.shard(tenant).read().get(tenant) {
+            return (e.generation, e.addr.clone());
         }
         let mut map = self.shard(tenant).write();
-        if let Some((g, _, _, a)) = map.get(tenant) {
-            return (*g, a.clone());
+        if let Some(e) = map.get(tenant) {
+            return (e.generation, e.addr.clone());
         }
         let name: Arc<str> = Arc::from(tenant);
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
@@ -141,7 +149,12 @@ impl Shared {
         });
         map.insert(
             CompactString::from(tenant),
-            (generation, index, Self::tick_slot(tenant), addr.clone()),
+            Entry {
+                generation,
+                arbiter: index,
+                tick_slot: Self::tick_slot(tenant),
+                addr: addr.clone(),
+            },
         );
         (generation, addr)
     }
@@ -149,7 +162,7 @@ impl Shared {
     /// Removes a tenant's entry if it is still the given generation of actor.
     pub(crate) fn registry_remove(&self, tenant: &str, generation: u64) {
         let mut map = self.shard(tenant).write();
-        if map.get(tenant).is_some_and(|(g, _, _, _)| *g == generation) {
+        if map.get(tenant).is_some_and(|e| e.generation == generation) {
             map.remove(tenant);
         }
     }
@@ -163,9 +176,9 @@ impl Shared {
     pub fn tick_arbiter(&self, index: usize, slot: u64) {
         let slot = slot % TICK_SLOTS;
         let shard = &self.shards[(slot % SHARDS as u64) as usize];
-        for (_, arbiter, tick_slot, addr) in shard.read().values() {
-            if *arbiter == index && *tick_slot == slot {
-                addr.do_send(Tick);
+        for e in shard.read().values() {
+            if e.arbiter == index && e.tick_slot == slot {
+                e.addr.do_send(Tick);
             }
         }
     }
@@ -191,7 +204,7 @@ impl Shared {
     ) -> (u64, R) {
         let map = self.shard(tenant).read();
         match map.get(tenant) {
-            Some((g, _, _, a)) => (*g, post(a)),
+            Some(e) => (e.generation, post(&e.addr)),
             None => {
                 drop(map);
                 let (generation, addr) = self.tenant_or_start(tenant);
@@ -257,7 +270,7 @@ impl Shared {
             .shard(tenant)
             .read()
             .get(tenant)
-            .map(|(_, _, _, a)| a.send(msg))
+            .map(|e| e.addr.send(msg))
         else {
             return Ok(None);
         };
@@ -275,8 +288,8 @@ impl Shared {
         M::Result: Send,
         TenantActor: Handler<M>,
     {
-        if let Some((_, _, _, addr)) = self.shard(tenant).read().get(tenant) {
-            addr.do_send(msg);
+        if let Some(e) = self.shard(tenant).read().get(tenant) {
+            e.addr.do_send(msg);
         }
     }
 }
