@@ -111,6 +111,10 @@ pub struct MetricsActor {
     responses: Handles<(Arc<str>, Arc<str>, u16), Counter>,
     /// `admitd_lease_expiries_total` by (tenant, subject, tool, upstream) label.
     lease_expiries: Handles<CallKey, Counter>,
+    /// The same counters by the labels as sent: the fast path, as for decisions.
+    expiries_raw: RawIndex<Counter>,
+    /// Scratch for [`MetricsActor::leases_expired`], kept to reuse its memory.
+    expiry_keys: Vec<(u64, RawRef)>,
     decision_hist: Arc<Histogram>,
     histograms: Arc<Histograms>,
     caps: LabelCap,
@@ -168,6 +172,8 @@ impl MetricsActor {
             tool_durations: Handles::default(),
             responses: Handles::default(),
             lease_expiries: Handles::default(),
+            expiries_raw: RawIndex::default(),
+            expiry_keys: Vec::new(),
             decision_hist: histograms.decision.series(&[]),
             histograms,
             caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
@@ -305,27 +311,60 @@ impl MetricsActor {
     }
 
     /// Counts an upstream response reported on release or feedback.
-    /// The `admitd_lease_expiries_total` counter of an expired lease's call. A server that stops
-    /// releasing expires every lease it holds, and building the labels and looking each one up in
-    /// the registry held the telemetry thread (and so the core it shares) for hundreds of
-    /// microseconds at every tick; the handles are kept by capped labels, which the caps bound.
-    fn lease_expiry(&mut self, tenant: &Arc<str>, lease: &ExpiredLease) -> &Counter {
+    /// Counts the expiries of one tenant's leases. A server that stops releasing expires every lease
+    /// it holds, so this runs once per admission: each lease is looked up by its labels as sent,
+    /// in stages like a batch of decisions, and only the first expiry with given labels goes
+    /// through the label caps.
+    fn leases_expired(&mut self, tenant: &Arc<str>, leases: &[ExpiredLease]) {
+        if self.expiries_raw.len() + leases.len() > HANDLE_CACHE {
+            self.expiries_raw.clear();
+        }
+        let mut keys = std::mem::take(&mut self.expiry_keys);
+        keys.clear();
+        for (subject, tool, upstream) in leases {
+            let raw = RawRef::call(tenant, subject, tool, upstream.as_deref());
+            let hash = self.expiries_raw.hash(&raw);
+            self.expiries_raw.prefetch_slot(hash);
+            keys.push((hash, raw));
+        }
+        for (hash, _) in &keys {
+            self.expiries_raw.prefetch_entry(*hash);
+        }
+        for ((hash, raw), lease) in keys.iter().zip(leases) {
+            let entry = match self.expiries_raw.find(*hash, raw) {
+                Some(e) => e,
+                None => {
+                    let c = self.lease_expiry_counter(tenant, lease);
+                    self.expiries_raw.insert(*hash, raw.to_key(), c)
+                }
+            };
+            self.expiries_raw.get(entry).increment(1);
+        }
+        self.expiry_keys = keys;
+    }
+
+    /// The `admitd_lease_expiries_total` counter of an expired lease's call, by its capped labels
+    /// (the slow path of [`MetricsActor::leases_expired`]). The handles are kept by capped labels,
+    /// which the caps bound: building the labels and looking each one up in the registry held the
+    /// telemetry thread (and so the core it shares) for hundreds of microseconds at every tick.
+    fn lease_expiry_counter(&mut self, tenant: &Arc<str>, lease: &ExpiredLease) -> Counter {
         let (t, s, tool) = self.caps.call(tenant, &lease.0, &lease.1);
         let key = (t, s, tool, self.upstream_label(&lease.2));
-        if !self.lease_expiries.contains_key(&key) {
-            let c = counter!(
-                LEASE_EXPIRIES,
-                "tenant" => key.0.to_string(),
-                "subject" => key.1.to_string(),
-                "tool" => key.2.to_string(),
-                "upstream" => key.3.to_string(),
-            );
-            if self.lease_expiries.len() >= HANDLE_CACHE {
-                self.lease_expiries.clear();
-            }
-            self.lease_expiries.insert(key.clone(), c);
+        if let Some(c) = self.lease_expiries.get(&key) {
+            return c.clone();
         }
-        &self.lease_expiries[&key]
+        let c = counter!(
+            LEASE_EXPIRIES,
+            "tenant" => key.0.to_string(),
+            "subject" => key.1.to_string(),
+            "tool" => key.2.to_string(),
+            "upstream" => key.3.to_string(),
+        );
+        if self.lease_expiries.len() >= HANDLE_CACHE {
+            self.lease_expiries.clear();
+        }
+        self.lease_expiries.insert(key, c.clone());
+        c
     }
 
     fn upstream_response(&mut self, tenant: Arc<str>, upstream: Arc<str>, status: u16) {
@@ -412,9 +451,7 @@ impl MetricsActor {
             }
             Event::Tenant(t) => match &**t {
                 TenantEvent::LeasesExpired { tenant, leases } => {
-                    for lease in leases {
-                        self.lease_expiry(tenant, lease).increment(1);
-                    }
+                    self.leases_expired(tenant, leases);
                 }
                 TenantEvent::Gauges { tenant, gauges, .. } => {
                     let tenant = self.caps.tenant(tenant);
@@ -487,6 +524,7 @@ impl MetricsActor {
             .set_max_subjects(cfg.max_subjects_per_tenant, cfg.max_subjects_total);
         // Names folded into `__other__` under the old caps may have room now.
         self.decisions.clear();
+        self.expiries_raw.clear();
         self.throttle = Throttle::new(cfg.refusal_log_per_sec);
     }
 

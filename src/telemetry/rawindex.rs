@@ -44,20 +44,25 @@ pub struct RawRef {
 
 impl RawRef {
     pub fn of(d: &DecisionEvent) -> Self {
+        RawRef {
+            kind: d.kind,
+            scope: d.scope,
+            ..RawRef::call(&d.tenant, &d.subject, &d.tool, d.upstream.as_deref())
+        }
+    }
+
+    /// The labels of a call alone, with no outcome: for indexes of something other than decisions
+    /// (which must not share an index with decisions, whose keys this one could equal).
+    pub fn call(tenant: &str, subject: &str, tool: &str, upstream: Option<&str>) -> Self {
         let mut names = SmallVec::new();
-        for name in [
-            &*d.tenant,
-            &*d.subject,
-            &*d.tool,
-            d.upstream.as_deref().unwrap_or(""),
-        ] {
+        for name in [tenant, subject, tool, upstream.unwrap_or("")] {
             names.extend_from_slice(name.as_bytes());
             names.push(0xff);
         }
         RawRef {
             names,
-            kind: d.kind,
-            scope: d.scope,
+            kind: DecisionKind::Admitted,
+            scope: None,
         }
     }
 
