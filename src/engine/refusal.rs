@@ -82,7 +82,7 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
             "Too many tool calls from this agent are running at the same time. {retry} Start fewer calls in parallel. {FORWARD}"
         ),
         Scope::DailyQuota => format!(
-            "The daily tool quota for this account is used up; it resets at midnight UTC, in {wait}. Retrying before then will not help. Tell the user that this step must wait until the quota resets, and continue with the results you already have."
+            "The daily tool-call quota is used up; it resets at midnight UTC. {retry} Calls before then will be refused. Tell the user that this step must wait until the quota resets, and continue with the results you already have."
         ),
         Scope::UpstreamPenalty => format!(
             "The {up} service asked for calls to slow down (it is rate limiting this account). {retry} Calls before then will be refused, so retrying sooner cannot help; after the wait, retrying is expected to work. Other tools that use {up} are paused too. {FORWARD}"
@@ -98,8 +98,12 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
     }
 }
 
+/// A number as a person writes it: whole numbers without decimals, fractions with two, and numbers
+/// too large to read digit by digit in scientific notation.
 fn trim_number(x: f64) -> String {
-    if x.fract() == 0.0 && x.abs() < 1e15 {
+    if x.abs() >= 1e15 {
+        format!("{x:e}")
+    } else if x.fract() == 0.0 {
         format!("{}", x as i64)
     } else {
         format!("{x:.2}")
@@ -129,10 +133,8 @@ mod tests {
             let m = message(scope, 3_001, &cx());
             assert!(m.contains("4 seconds"), "{scope:?}: {m}");
             assert!(!m.contains("3.0"), "{m}");
-            if scope != Scope::DailyQuota {
-                assert!(m.contains("same arguments; the arguments are fine"), "{m}");
-                assert!(m.contains("Do not retry sooner"), "{m}");
-            }
+            assert!(m.contains("same arguments; the arguments are fine"), "{m}");
+            assert!(m.contains("Do not retry sooner"), "{m}");
             assert!(
                 m.contains("continue with the results you already have"),
                 "{m}"
@@ -156,6 +158,21 @@ mod tests {
         assert!(m.contains("costs 50 units; the limit is 20"), "{m}");
         assert!(m.contains("Waiting will not help"));
         assert!(m.contains("smaller"));
+    }
+
+    #[test]
+    fn absurd_costs_are_written_short() {
+        let m = message(
+            Scope::Oversized,
+            0,
+            &RefusalContext {
+                cost: 1e300,
+                ..cx()
+            },
+        );
+        assert!(m.contains("costs 1e300 units; the limit is 20"), "{m}");
+        let m = message(Scope::Oversized, 0, &RefusalContext { cost: 2.5, ..cx() });
+        assert!(m.contains("costs 2.50 units"), "{m}");
     }
 
     #[test]

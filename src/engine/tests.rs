@@ -420,9 +420,9 @@ fn subject_daily_quota_sheds_until_utc_midnight() {
     let secs = refusal::whole_seconds(shed(&d).retry_after_ms);
     assert!((43_200..=43_201).contains(&secs));
     assert!(
-        shed(&d)
-            .message
-            .contains(&format!("resets at midnight UTC, in {secs} seconds")),
+        shed(&d).message.contains(&format!(
+            "resets at midnight UTC. Wait {secs} seconds, then retry"
+        )),
         "{}",
         shed(&d).message
     );

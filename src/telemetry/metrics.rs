@@ -426,10 +426,10 @@ impl MetricsActor {
         match ev {
             Event::Decision(_) => {}
             Event::Release(r) => {
+                // A call without an upstream counts under the upstream label `none`.
                 let status = r
                     .upstream_status
-                    .or((r.outcome == "upstream_rate_limited").then_some(429))
-                    .filter(|_| r.upstream.is_some());
+                    .or((r.outcome == "upstream_rate_limited").then_some(429));
                 if status.is_none() && r.duration_ms.is_none() {
                     // Nothing to count (and no label to look up).
                     return;
@@ -617,6 +617,7 @@ mod tests {
     use super::*;
     use crate::clock::FakeClock;
     use crate::config::Config;
+    use crate::telemetry::ReleaseEvent;
 
     fn decision(tenant: &str, subject: &str, kind: DecisionKind) -> Event {
         Event::Decision(DecisionEvent {
@@ -706,6 +707,49 @@ mod tests {
             Some(6.0),
             "{text}"
         );
+    }
+
+    #[test]
+    fn upstream_responses_of_calls_without_an_upstream_count_under_none() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let cfg = Config::default().telemetry;
+        let release = |upstream: Option<&str>, outcome: &'static str, status: Option<u16>| {
+            Event::Release(Arc::new(ReleaseEvent {
+                tenant: Arc::from("acme"),
+                subject: Arc::from("alice"),
+                tool: Arc::from("search"),
+                upstream: upstream.map(Arc::from),
+                outcome,
+                upstream_status: status,
+                retry_after: None,
+                penalty_ms: None,
+                duration_ms: None,
+                lease: 1,
+            }))
+        };
+        metrics::with_local_recorder(&recorder, || {
+            let clock = Arc::new(FakeClock::new(0));
+            let mut m = MetricsActor::new(&cfg, clock, Arc::new(Histograms::default()));
+            m.record_batch(&[
+                release(None, "ok", Some(200)),
+                release(None, "error", Some(500)),
+                release(None, "upstream_rate_limited", None),
+                release(Some("crm"), "ok", Some(200)),
+                // No status and no duration: nothing to count.
+                release(None, "ok", None),
+            ]);
+        });
+        let text = handle.render();
+        let series = |upstream: &str, status: u16| {
+            format!(
+                "admitd_upstream_responses_total{{tenant=\"acme\",upstream=\"{upstream}\",status=\"{status}\"}}"
+            )
+        };
+        assert_eq!(value(&text, &series("none", 200)), Some(1.0), "{text}");
+        assert_eq!(value(&text, &series("none", 500)), Some(1.0), "{text}");
+        assert_eq!(value(&text, &series("none", 429)), Some(1.0), "{text}");
+        assert_eq!(value(&text, &series("crm", 200)), Some(1.0), "{text}");
     }
 
     #[test]
