@@ -18,6 +18,8 @@ pub struct RefusalContext<'a> {
     pub cost: f64,
     /// The size of the limit the call did not fit (for `oversized`).
     pub limit: f64,
+    /// The limit that refused is the whole account's, not this agent's (concurrency, daily quota).
+    pub account_wide: bool,
 }
 
 /// Whole seconds, rounded up, of a wait in milliseconds (at least 1 for any non-zero wait).
@@ -58,6 +60,11 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
         "Wait {wait}, then retry this call with the same arguments; the arguments are fine. Do not retry sooner."
     );
     let up = cx.upstream.unwrap_or("upstream");
+    let who = if cx.account_wide {
+        "this account"
+    } else {
+        "this agent"
+    };
     match scope {
         Scope::Subject => format!(
             "Rate limited: this agent has made too many tool calls in a short time. {retry} {FORWARD}"
@@ -79,10 +86,10 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
             "The tool service is handling too many calls overall right now. {retry} {FORWARD}"
         ),
         Scope::Concurrency => format!(
-            "Too many tool calls from this agent are running at the same time. {retry} Start fewer calls in parallel. {FORWARD}"
+            "Too many tool calls from {who} are running at the same time. {retry} Start fewer calls in parallel. {FORWARD}"
         ),
         Scope::DailyQuota => format!(
-            "The daily tool-call quota is used up; it resets at midnight UTC. {retry} Calls before then will be refused. Tell the user that this step must wait until the quota resets, and continue with the results you already have."
+            "The daily tool-call quota of {who} is used up; it resets at midnight UTC. {retry} Calls before then will be refused. Tell the user that this step must wait until the quota resets, and continue with the results you already have."
         ),
         Scope::UpstreamPenalty => format!(
             "The {up} service asked for calls to slow down (it is rate limiting this account). {retry} Calls before then will be refused, so retrying sooner cannot help; after the wait, retrying is expected to work. Other tools that use {up} are paused too. {FORWARD}"
@@ -121,6 +128,30 @@ mod tests {
             shared_upstream: false,
             cost: 1.0,
             limit: 20.0,
+            account_wide: false,
+        }
+    }
+
+    #[test]
+    fn concurrency_and_quota_texts_say_whose_limit_it_is() {
+        for scope in [Scope::Concurrency, Scope::DailyQuota] {
+            let agent = message(scope, 1000, &cx());
+            let account = message(
+                scope,
+                1000,
+                &RefusalContext {
+                    account_wide: true,
+                    ..cx()
+                },
+            );
+            assert!(
+                agent.contains("this agent") && !agent.contains("this account"),
+                "{agent}"
+            );
+            assert!(
+                account.contains("this account") && !account.contains("this agent"),
+                "{account}"
+            );
         }
     }
 

@@ -892,6 +892,7 @@ impl TenantEngine {
             shared_upstream: self.is_shared_upstream(upstream),
             cost: r.cost,
             limit,
+            account_wide: false,
         }
     }
 
@@ -901,6 +902,19 @@ impl TenantEngine {
         upstream: Option<&str>,
         scope: Scope,
         wait_ns: u64,
+    ) -> Shed {
+        self.shed_by(r, upstream, scope, wait_ns, false)
+    }
+
+    /// A refusal by a limit that is the whole account's (`account_wide`) or this agent's: the text
+    /// says whose, so the model knows whether its own calls are the cause.
+    fn shed_by(
+        &mut self,
+        r: &Resolved,
+        upstream: Option<&str>,
+        scope: Scope,
+        wait_ns: u64,
+        account_wide: bool,
     ) -> Shed {
         // A little jitter (up to 5% of the wait, at most 100 ms) keeps callers told the same moment from
         // arriving in the same millisecond; it only ever adds, so nobody is told to come back early.
@@ -918,7 +932,10 @@ impl TenantEngine {
             )
         };
         let retry_after_ms = ceil_ms(wait_ns.saturating_add(jitter)).max(1);
-        let cx = self.refusal_cx(r, upstream, 0.0);
+        let cx = RefusalContext {
+            account_wide,
+            ..self.refusal_cx(r, upstream, 0.0)
+        };
         Shed {
             scope,
             retry_after_ms,
@@ -1027,7 +1044,19 @@ impl TenantEngine {
             .hold_avg_ns
             .map_or(DEFAULT_HOLD_HINT_NS, |h| h as u64)
             .clamp(100 * NS_PER_MS, 60 * NS_PER_SEC);
-        self.make_shed(r, r.upstream.clone().as_deref(), Scope::Concurrency, hint)
+        let subject_full = self.policy.limits.subject.concurrency.is_some_and(|c| {
+            self.subjects
+                .get(&*r.subject)
+                .is_some_and(|s| s.inflight >= c)
+        });
+        let upstream = r.upstream.clone();
+        self.shed_by(
+            r,
+            upstream.as_deref(),
+            Scope::Concurrency,
+            hint,
+            !subject_full,
+        )
     }
 
     /// Quota and buckets, once the call holds its concurrency slots.
@@ -1054,7 +1083,14 @@ impl TenantEngine {
         if over_subject || over_tenant {
             self.free_slots(&r.subject);
             let wait = ms_until_utc_midnight(wall_ms) * NS_PER_MS;
-            let shed = self.make_shed(&r, r.upstream.clone().as_deref(), Scope::DailyQuota, wait);
+            let upstream = r.upstream.clone();
+            let shed = self.shed_by(
+                &r,
+                upstream.as_deref(),
+                Scope::DailyQuota,
+                wait,
+                !over_subject,
+            );
             return self.refuse(r, plan, shed, now);
         }
         let mut charge = Charge {

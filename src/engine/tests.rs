@@ -370,6 +370,11 @@ fn subject_concurrency_sheds_with_scope_concurrency() {
         "{}",
         shed(&d).message
     );
+    assert!(
+        shed(&d).message.contains("from this agent"),
+        "{}",
+        shed(&d).message
+    );
     // the refused call spent nothing: one call's tokens gone from the subject bucket
     assert_eq!(rig.tokens(&e, "subject", "a"), 19);
     // another subject has its own slots
@@ -393,10 +398,13 @@ fn tenant_concurrency_sheds_with_scope_concurrency() {
     let mut e = rig.engine("acme");
     let la = admitted_now(&rig.decide(&mut e, &call("a", "search")));
     admitted_now(&rig.decide(&mut e, &call("b", "search")));
-    assert_shed(
-        &rig.decide(&mut e, &call("c", "search")),
-        Scope::Concurrency,
-        SEC,
+    let d = rig.decide(&mut e, &call("c", "search"));
+    assert_shed(&d, Scope::Concurrency, SEC);
+    // c has nothing in flight: the text must not blame its own calls
+    assert!(
+        shed(&d).message.contains("from this account"),
+        "{}",
+        shed(&d).message
     );
     assert_eq!(e.inflight(), 2);
     assert_eq!(rig.snap(&e).inflight, 2);
@@ -421,7 +429,7 @@ fn subject_daily_quota_sheds_until_utc_midnight() {
     assert!((43_200..=43_201).contains(&secs));
     assert!(
         shed(&d).message.contains(&format!(
-            "resets at midnight UTC. Wait {secs} seconds, then retry"
+            "quota of this agent is used up; it resets at midnight UTC. Wait {secs} seconds, then retry"
         )),
         "{}",
         shed(&d).message
@@ -449,10 +457,14 @@ fn tenant_daily_quota_sheds_across_subjects_and_counts_cost() {
     );
     // exactly what is left still fits
     admitted_now(&rig.decide(&mut e, &call("c", "search").cost(1.0)));
-    assert_shed(
-        &rig.decide(&mut e, &call("d", "search")),
-        Scope::DailyQuota,
-        12 * 3600 * SEC,
+    let d = rig.decide(&mut e, &call("d", "search"));
+    assert_shed(&d, Scope::DailyQuota, 12 * 3600 * SEC);
+    assert!(
+        shed(&d)
+            .message
+            .contains("quota of this account is used up"),
+        "{}",
+        shed(&d).message
     );
     assert_eq!(rig.snap(&e).quota.day_used, 5.0);
 }
