@@ -52,10 +52,16 @@ impl<T> Leases<T> {
         };
         self.seq = self.seq.wrapping_add(1);
         let id = (u64::from(self.seq) << 32) | index as u64;
-        self.slots[index] = Slot {
-            id,
-            value: Some(value),
-        };
+        // A free slot holds no value, so there is nothing to drop: `forget` lets the old contents go
+        // unread. When leases end by expiry the slot was last touched a second or more ago, and
+        // reading it (to drop it) stalled the admission on a cache miss; a store does not.
+        std::mem::forget(std::mem::replace(
+            &mut self.slots[index],
+            Slot {
+                id,
+                value: Some(value),
+            },
+        ));
         self.live += 1;
         id
     }
