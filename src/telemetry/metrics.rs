@@ -310,7 +310,6 @@ impl MetricsActor {
         h
     }
 
-    /// Counts an upstream response reported on release or feedback.
     /// Counts the expiries of one tenant's leases. A server that stops releasing expires every lease
     /// it holds, so this runs once per admission: each lease is looked up by its labels as sent,
     /// in stages like a batch of decisions, and only the first expiry with given labels goes
@@ -367,6 +366,7 @@ impl MetricsActor {
         c
     }
 
+    /// Counts an upstream response reported on release or feedback.
     fn upstream_response(&mut self, tenant: Arc<str>, upstream: Arc<str>, status: u16) {
         let key = (tenant, upstream, status);
         if let Some(c) = self.responses.get(&key) {

@@ -1,4 +1,5 @@
-//! The metrics actor's index of decision series by the labels a decision arrived with.
+//! The metrics actor's index of series by the labels a call arrived with: decisions, and (in an index
+//! of their own, keyed by [`RawRef::call`]) lease expiries.
 //!
 //! A decision event names its tenant, subject, tool and upstream as the caller sent them; the metrics
 //! actor needs the (capped) series they count into. Looking that up is the telemetry thread's main
