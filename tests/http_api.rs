@@ -341,6 +341,27 @@ fn a_short_shortfall_is_held_instead_of_shed() {
     assert_eq!(s.status, 429);
 }
 
+#[test]
+fn a_held_call_counts_its_reset_from_when_it_is_answered() {
+    // Ten tokens a second, burst 10: drained, then a call of 5 is held about half a second. When it
+    // is answered the bucket is empty again and full one second later (not one and a half: the hold
+    // is already behind it).
+    let d = Daemon::start("[limits.subject]\nrate = \"10/s\"\nburst = 10\n");
+    assert_eq!(
+        d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "cost": 10}))
+            .status,
+        200
+    );
+    let a = d
+        .admit(json!({"tenant": "t", "subject": "s", "tool": "x", "cost": 5, "max_wait_ms": 2000}));
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let waited = a.body["waited_ms"].as_u64().unwrap();
+    assert!((50..=520).contains(&waited), "waited_ms {waited}");
+    assert_eq!(a.body["remaining"], 0, "{:?}", a.body);
+    let reset = a.body["reset_ms"].as_u64().unwrap();
+    assert!((900..=1_050).contains(&reset), "reset_ms {reset}");
+}
+
 /// Sends an admit on a raw socket and closes it before the answer.
 fn admit_and_hang_up(d: &Daemon, body: Value, after: Duration) {
     let mut s = TcpStream::connect(&d.addr).unwrap();

@@ -188,9 +188,14 @@ async fn wait_out(
     };
     if let Verdict::Admitted(a) = &decision.verdict {
         if must_hold(&decision, shadow) {
-            let lease = a.lease;
+            let (lease, hold_ns) = (a.lease, a.hold_ns);
             guard.lease = Some(lease);
-            tokio::time::sleep(Duration::from_nanos(a.hold_ns)).await;
+            tokio::time::sleep(Duration::from_nanos(hold_ns)).await;
+            // The layers were read when the call was decided; the answer goes out a hold later, when
+            // each bucket is that much nearer to full.
+            for l in &mut decision.layers {
+                l.reset_ns = l.reset_ns.saturating_sub(hold_ns);
+            }
             // An upstream of the call may have answered 429 while it was held: then it is refused
             // with the upstream's wait rather than sent to meet the same 429.
             if !decision.resolved.upstreams.is_empty() {
