@@ -126,6 +126,7 @@ fn bad_input_is_a_clear_4xx_and_loses_no_state() {
         ("/v1/admit", "application/json", b"{not json".to_vec()),
         ("/v1/admit", "application/json", b"".to_vec()),
         ("/v1/admit", "application/json", b"[1,2]".to_vec()),
+        ("/v1/admit", "application/json", br#"["acme","bot","t"]"#.to_vec()),
         ("/v1/admit", "text/plain", call("acme", "bot", "t").to_string().into_bytes()),
         ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"bot"}"#.to_vec()),
         ("/v1/admit", "application/json", br#"{"tenant":"acme","subject":"b\u0007ot","tool":"t"}"#.to_vec()),
@@ -142,7 +143,9 @@ fn bad_input_is_a_clear_4xx_and_loses_no_state() {
         ("/v1/release", "application/json", json!({"lease_id": lease, "outcome": "ok", "retry_after": "soon"}).to_string().into_bytes()),
         ("/v1/release", "application/json", json!({"lease_id": lease, "outcome": "ok", "upstream_status": 1000}).to_string().into_bytes()),
         ("/v1/release", "application/json", json!({"lease_id": lease, "outcome": "ok", "duration_ms": -3}).to_string().into_bytes()),
+        ("/v1/release", "application/json", json!([lease, "ok"]).to_string().into_bytes()),
         ("/v1/feedback", "application/json", json!({"tenant": "acme", "upstream": "u", "status": "429"}).to_string().into_bytes()),
+        ("/v1/feedback", "application/json", json!(["acme", "u", 429]).to_string().into_bytes()),
         ("/v1/feedback", "application/json", json!({"tenant": "acme", "upstream": "u\n", "status": 429}).to_string().into_bytes()),
         ("/v1/feedback", "application/json", json!({"tenant": "acme", "upstream": "u", "status": 429, "retry_after": "yesterday-ish"}).to_string().into_bytes()),
     ];
@@ -226,6 +229,12 @@ fn operations_routes() {
     assert!(buckets.iter().any(|b| b["layer"] == "tenant"));
     assert!(s.body["penalties"].as_array().unwrap().is_empty());
 
+    // The reload route takes no body, but one over 64 KiB is refused as anywhere else.
+    let big = d.post_raw("/v1/admin/reload", "text/plain", vec![b'x'; 70_000]);
+    assert_eq!(
+        (big.status, big.body["error"].as_str()),
+        (413, Some("body_too_large"))
+    );
     // Without a config file there is nothing to reload.
     let rl = d.post("/v1/admin/reload", json!({}));
     assert_eq!(

@@ -125,6 +125,13 @@ pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError
             "the request body is empty; send a JSON object",
         ));
     }
+    // Every request is an object; serde would also take the fields of a struct from an array.
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') && serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok() {
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object ({\"name\": value, ...})",
+        ));
+    }
     serde_json::from_slice(bytes).map_err(|e| {
         let what = match e.classify() {
             serde_json::error::Category::Data => "the JSON does not match the request schema",
@@ -239,5 +246,11 @@ mod tests {
             .message
             .contains("not valid JSON"));
         assert_eq!(parse_json::<T>(b"{\"a\":3}").unwrap().a, 3);
+        assert_eq!(parse_json::<T>(b" \n{\"a\":4}").unwrap().a, 4);
+        // Serde alone would take a struct's fields from an array.
+        for not_an_object in [&b"[3]"[..], b" [3] ", b"3", b"\"a\"", b"null"] {
+            let e = parse_json::<T>(not_an_object).unwrap_err();
+            assert!(e.message.contains("must be a JSON object"), "{}", e.message);
+        }
     }
 }
