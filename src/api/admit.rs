@@ -305,6 +305,15 @@ fn shed_body(s: &Shed) -> ShedBody<'_> {
     }
 }
 
+/// The largest integer a structured field may carry (RFC 8941: at most 15 digits). Larger values
+/// (a burst near the 1e15 the config allows, the refill time of a huge burst at a tiny rate) are
+/// written as this.
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+fn sf_integer(n: u64) -> u64 {
+    n.min(SF_INTEGER_MAX)
+}
+
 /// `RateLimit-Policy`: every bucket layer that applied, `"name";q=<burst>;w=<seconds to refill>`.
 pub fn policy_header(layers: &[LayerState]) -> String {
     let mut s = String::new();
@@ -315,8 +324,8 @@ pub fn policy_header(layers: &[LayerState]) -> String {
         s.push_str(&format!(
             "\"{}\";q={};w={}",
             l.name,
-            l.burst.floor() as u64,
-            l.window_secs
+            sf_integer(l.burst.floor() as u64),
+            sf_integer(l.window_secs)
         ));
     }
     s
@@ -370,9 +379,9 @@ pub fn ratelimit_header(l: &LayerState) -> String {
     s.push('"');
     s.push_str(&l.name);
     s.push_str("\";r=");
-    s.push_str(n.format(l.remaining));
+    s.push_str(n.format(sf_integer(l.remaining)));
     s.push_str(";t=");
-    s.push_str(n.format(ceil_secs(l.reset_ns)));
+    s.push_str(n.format(sf_integer(ceil_secs(l.reset_ns))));
     s
 }
 
@@ -530,6 +539,25 @@ mod tests {
             "\"subject\";q=20;w=10, \"tenant\";q=50;w=5"
         );
         assert_eq!(ratelimit_header(&layers[0]), "\"subject\";r=19;t=1");
+    }
+
+    #[test]
+    fn header_numbers_stay_within_structured_field_integers() {
+        let huge = [layer(
+            Layer::Subject,
+            1e15,
+            u64::MAX,
+            1_000_000_000_000_000,
+            u64::MAX,
+        )];
+        assert_eq!(
+            policy_header(&huge),
+            "\"subject\";q=999999999999999;w=999999999999999"
+        );
+        assert_eq!(
+            ratelimit_header(&huge[0]),
+            "\"subject\";r=999999999999999;t=18446744074"
+        );
     }
 
     #[test]

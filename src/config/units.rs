@@ -24,7 +24,7 @@ pub fn parse_rate(text: &str) -> Result<Rate, String> {
         return Err(format!("invalid rate {text:?}: {hint}"));
     };
     let n: f64 = parse_positive(num.trim()).ok_or_else(|| {
-        format!("invalid rate {text:?}: the count must be a positive number; {hint}")
+        format!("invalid rate {text:?}: the count must be a positive decimal number (digits and an optional point); {hint}")
     })?;
     let secs = match unit.trim() {
         "s" => 1.0,
@@ -40,6 +40,11 @@ pub fn parse_rate(text: &str) -> Result<Rate, String> {
     let per_sec = n / secs;
     if !(per_sec.is_finite() && per_sec > 0.0) {
         return Err(format!("invalid rate {text:?}: {hint}"));
+    }
+    if per_sec > 1e15 {
+        return Err(format!(
+            "invalid rate {text:?}: more than 1e15 per second is not a limit"
+        ));
     }
     Ok(Rate { per_sec })
 }
@@ -93,6 +98,15 @@ fn parse_positive(s: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn absurd_rates_are_refused_with_a_reason() {
+        let e = parse_rate("99999999999999999999/s").unwrap_err();
+        assert!(e.contains("more than 1e15"), "{e}");
+        assert!(parse_rate("1000000000000000/s").is_ok());
+        let e = parse_rate("1e15/s").unwrap_err();
+        assert!(e.contains("decimal number"), "{e}");
+    }
 
     #[test]
     fn rates_in_every_unit() {
