@@ -213,6 +213,8 @@ async fn wait_out(
 
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// Looked up by a ready name: by a `&str` the map would parse and validate the name on every call.
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// A number written as an integer when it is whole (`20`, not `20.0`).
 struct Num(f64);
@@ -429,7 +431,7 @@ fn answer(
 ) -> (Response, DecisionEvent) {
     let tightest = d.tightest();
     let traceparent = headers
-        .get("traceparent")
+        .get(&TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let mut event = DecisionEvent {
