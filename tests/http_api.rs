@@ -213,6 +213,23 @@ fn operations_routes() {
     let m = d.get("/v1/admit");
     assert_eq!(m.status, 405);
     assert_eq!(m.header("allow").as_deref(), Some("POST"));
+    // HEAD is GET without a body; other methods on a GET route are told which it takes.
+    let head = d.client.head(d.url("/healthz")).send().unwrap();
+    assert_eq!(head.status().as_u16(), 200);
+    assert!(head.bytes().unwrap().is_empty());
+    let p = d.post("/healthz", json!({}));
+    assert_eq!(p.status, 405);
+    assert_eq!(p.header("allow").as_deref(), Some("GET, HEAD"));
+
+    // call_id is optional: empty is the same as absent; a control character is refused.
+    let empty = d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "t", "call_id": ""}));
+    assert_eq!(empty.status, 200, "{:?}", empty.body);
+    let ctl =
+        d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "t", "call_id": "c\u{1}"}));
+    assert_eq!(
+        (ctl.status, ctl.body["error"].as_str()),
+        (400, Some("invalid_request"))
+    );
 
     let a = d.admit(call("acme corp", "bot", "t"));
     assert_eq!(a.status, 200);

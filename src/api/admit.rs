@@ -83,7 +83,9 @@ pub async fn admit(
     if let Some(u) = &b.upstream {
         name_field("upstream", u)?;
     }
-    if let Some(c) = &b.call_id {
+    // An empty call id is no call id (a client may send one rather than leave the field out).
+    let call_id = b.call_id.filter(|c| !c.is_empty());
+    if let Some(c) = &call_id {
         name_field("call_id", c)?;
     }
     if let Some(cost) = b.cost {
@@ -130,7 +132,7 @@ pub async fn admit(
     let (response, event) = answer(
         tenant_name,
         &decision,
-        b.call_id,
+        call_id,
         headers,
         decision_ns,
         start_unix_ns,

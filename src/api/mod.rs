@@ -96,7 +96,8 @@ where
     S: Stream<Item = Result<B, warp::Error>> + Unpin,
     B: Buf,
 {
-    let get = method == Method::GET;
+    // HEAD is GET without the body (hyper leaves the body out), as HTTP asks of every GET route.
+    let get = method == Method::GET || method == Method::HEAD;
     let post = method == Method::POST;
     match path {
         "/v1/admit" if post => admit::admit(app, headers, json_body(headers, body).await?).await,
@@ -133,10 +134,10 @@ where
         p => {
             let allow = match p {
                 "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/admin/reload" => Some("POST"),
-                "/healthz" | "/readyz" => Some("GET"),
-                "/metrics" if app.metrics.is_some() => Some("GET"),
-                "/v1/alerts" if app.alerts.is_some() => Some("GET"),
-                p if p.starts_with("/v1/tenants/") => Some("GET"),
+                "/healthz" | "/readyz" => Some("GET, HEAD"),
+                "/metrics" if app.metrics.is_some() => Some("GET, HEAD"),
+                "/v1/alerts" if app.alerts.is_some() => Some("GET, HEAD"),
+                p if p.starts_with("/v1/tenants/") => Some("GET, HEAD"),
                 _ => None,
             };
             match allow {
