@@ -237,12 +237,25 @@ struct WouldShed<'a> {
     retry_after_ms: u64,
 }
 
+/// A lease id, written by [`lease::encode_into`] where the body is written by hand.
+struct LeaseId<'a> {
+    tenant: &'a str,
+    lease: u64,
+}
+
+impl Serialize for LeaseId<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&lease::encode(self.tenant, self.lease))
+    }
+}
+
 #[derive(Serialize)]
 struct AdmittedBody<'a> {
     admitted: bool,
-    lease_id: &'a str,
+    lease_id: LeaseId<'a>,
     waited_ms: u64,
-    mode: &'a str,
+    /// One of [`Mode`]'s fixed words, written as it is.
+    mode: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     remaining: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -393,15 +406,15 @@ pub fn ratelimit_header(l: &LayerState) -> String {
 /// several times this. `admitted_body_matches_serde` holds it to the serde rendering of
 /// [`AdmittedBody`].
 fn write_admitted(b: &AdmittedBody) -> Vec<u8> {
-    let mut out = Vec::with_capacity(160 + b.lease_id.len());
+    let mut out = Vec::with_capacity(160 + 2 * b.lease_id.tenant.len());
     let mut n = itoa::Buffer::new();
-    out.extend_from_slice(b"{\"admitted\":true,\"lease_id\":");
-    // Lease ids are hex digits and tenant names in hex: nothing to escape, but stay correct regardless.
-    let _ = serde_json::to_writer(&mut out, b.lease_id);
-    out.extend_from_slice(b",\"waited_ms\":");
+    out.extend_from_slice(b"{\"admitted\":true,\"lease_id\":\"");
+    lease::encode_into(&mut out, b.lease_id.tenant, b.lease_id.lease);
+    out.extend_from_slice(b"\",\"waited_ms\":");
     out.extend_from_slice(n.format(b.waited_ms).as_bytes());
-    out.extend_from_slice(b",\"mode\":");
-    let _ = serde_json::to_writer(&mut out, b.mode);
+    out.extend_from_slice(b",\"mode\":\"");
+    out.extend_from_slice(b.mode.as_bytes());
+    out.push(b'"');
     if let Some(r) = b.remaining {
         out.extend_from_slice(b",\"remaining\":");
         out.extend_from_slice(n.format(r).as_bytes());
@@ -455,7 +468,6 @@ fn answer(
     };
     let mut response = match &d.verdict {
         Verdict::Admitted(a) => {
-            let lease_id = lease::encode(&tenant, a.lease);
             let waited_ns = if a.mode == Mode::Shadow {
                 0
             } else {
@@ -470,7 +482,10 @@ fn answer(
             }
             let body = AdmittedBody {
                 admitted: true,
-                lease_id: &lease_id,
+                lease_id: LeaseId {
+                    tenant: &tenant,
+                    lease: a.lease,
+                },
                 waited_ms: ceil_ms(waited_ns),
                 mode: a.mode.as_str(),
                 remaining: tightest.map(|t| t.remaining),
@@ -597,7 +612,10 @@ mod tests {
         let bodies = [
             AdmittedBody {
                 admitted: true,
-                lease_id: "00000001deadbeef61636d65",
+                lease_id: LeaseId {
+                    tenant: "acme",
+                    lease: 0xdead_beef,
+                },
                 waited_ms: 0,
                 mode: "enforce",
                 remaining: Some(19),
@@ -607,7 +625,10 @@ mod tests {
             },
             AdmittedBody {
                 admitted: true,
-                lease_id: "a\"b\\c",
+                lease_id: LeaseId {
+                    tenant: "a\"b\\c ü",
+                    lease: u64::MAX,
+                },
                 waited_ms: 1234,
                 mode: "shadow",
                 remaining: None,
@@ -617,7 +638,10 @@ mod tests {
             },
             AdmittedBody {
                 admitted: true,
-                lease_id: "",
+                lease_id: LeaseId {
+                    tenant: "t",
+                    lease: 0,
+                },
                 waited_ms: u64::MAX,
                 mode: "enforce",
                 remaining: Some(0),

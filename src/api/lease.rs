@@ -7,17 +7,26 @@
 use compact_str::CompactString;
 use smallvec::SmallVec;
 
-pub fn encode(tenant: &str, lease: u64) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(16 + tenant.len() * 2);
-    for shift in (0..16).rev() {
-        s.push(HEX[(lease >> (shift * 4)) as usize & 0xf] as char);
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Appends the id of lease `lease` of `tenant` to `out`: the answer's body is written this way,
+/// without a string of its own. Only hex digits, so nothing in it needs escaping in JSON.
+pub fn encode_into(out: &mut Vec<u8>, tenant: &str, lease: u64) {
+    let mut digits = [0u8; 16];
+    for (i, d) in digits.iter_mut().enumerate() {
+        *d = HEX[(lease >> (60 - 4 * i)) as usize & 0xf];
     }
+    out.reserve(16 + 2 * tenant.len());
+    out.extend_from_slice(&digits);
     for b in tenant.bytes() {
-        s.push(HEX[usize::from(b >> 4)] as char);
-        s.push(HEX[usize::from(b & 0xf)] as char);
+        out.extend_from_slice(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
     }
-    s
+}
+
+pub fn encode(tenant: &str, lease: u64) -> String {
+    let mut id = Vec::new();
+    encode_into(&mut id, tenant, lease);
+    String::from_utf8(id).expect("hex digits are UTF-8")
 }
 
 /// The tenant and lease number of an id (the tenant inline when it is short: no allocation).
@@ -44,6 +53,8 @@ mod tests {
         for t in ["acme", "ünï", "a b/c"] {
             let id = encode(t, 0xdead_beef_1234);
             assert_eq!(decode(&id), Some((t.into(), 0xdead_beef_1234)));
+            assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+            assert!(id.starts_with("0000deadbeef1234"), "{id}");
         }
     }
 
