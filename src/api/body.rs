@@ -51,7 +51,7 @@ fn too_large() -> ApiError {
 pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
     let raw = headers.get(warp::http::header::CONTENT_TYPE);
     // What clients send nearly always, checked without parsing.
-    if !raw.is_some_and(|v| v.as_bytes() == b"application/json") {
+    if raw.is_none_or(|v| v.as_bytes() != b"application/json") {
         check_content_type(raw.and_then(|v| v.to_str().ok()).unwrap_or(""))?;
     }
     if let Some(len) = headers.get(warp::http::header::CONTENT_LENGTH) {
