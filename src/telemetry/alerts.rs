@@ -255,7 +255,9 @@ pub struct AlertActor {
     firing: FiringList,
     alertmanager: Option<String>,
     /// Tenants whose gauges were set, with their handles (a registry lookup builds and hashes the
-    /// labels; a handle is one store), so tenants that left the window are set back to zero once.
+    /// labels; a handle is one store). A tenant stays in the evaluator, and its gauges are set every
+    /// tick (the shed ratio to 0 once its window is empty), until [`AlertEvaluator::prune`] forgets
+    /// it; its gauges are then set to zero once more and not touched again.
     exported: HashMap<Arc<str>, AlertGauges>,
     ticks: u64,
 }
@@ -270,6 +272,18 @@ impl AlertActor {
             alertmanager,
             exported: HashMap::default(),
             ticks: 0,
+        }
+    }
+
+    /// Adds the call counts of the tenant reports among `events`.
+    fn record_batch(&mut self, events: &[Event]) {
+        let now = self.clock.mono();
+        for ev in events {
+            if let Event::Tenant(t) = ev {
+                if let TenantEvent::Gauges { tenant, calls, .. } = &**t {
+                    self.evaluator.record(tenant, *calls, now);
+                }
+            }
         }
     }
 
@@ -290,14 +304,14 @@ impl AlertActor {
             }
         }
         let mut seen = HashMap::with_capacity_and_hasher(self.exported.len(), Default::default());
-        for (tenant, ratio, calls, firing) in self.evaluator.ratios() {
+        for (tenant, ratio, _, firing) in self.evaluator.ratios() {
             let gauges = self
                 .exported
                 .remove(&tenant)
                 .unwrap_or_else(|| AlertGauges::of(&tenant));
-            if calls > 0 || firing {
-                gauges.shed_ratio.set(ratio);
-            }
+            // Every tick, also once the window is empty (ratio 0): the gauge is the ratio over the
+            // window, not the last one seen with calls in it.
+            gauges.shed_ratio.set(ratio);
             gauges.firing.set(if firing { 1.0 } else { 0.0 });
             seen.insert(tenant, gauges);
         }
@@ -339,14 +353,7 @@ impl Handler<Batch> for AlertActor {
     type Result = ();
 
     fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
-        let now = self.clock.mono();
-        for ev in batch.0.iter() {
-            if let Event::Tenant(t) = ev {
-                if let TenantEvent::Gauges { tenant, calls, .. } = &**t {
-                    self.evaluator.record(tenant, *calls, now);
-                }
-            }
-        }
+        self.record_batch(&batch.0);
     }
 }
 
@@ -447,7 +454,7 @@ fn post_json(base: &str, path: &str, body: &str) -> Result<u16, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NS_PER_SEC;
+    use crate::clock::{FakeClock, NS_PER_SEC};
 
     fn cfg() -> AlertsConfig {
         AlertsConfig {
@@ -550,6 +557,76 @@ mod tests {
         );
         e.prune();
         assert!(e.ratios().is_empty());
+    }
+
+    /// A tenant actor's report of the calls it answered since its previous one.
+    fn report(tenant: &str, admitted: i64, shed: u64) -> Event {
+        Event::Tenant(Arc::new(TenantEvent::Gauges {
+            tenant: Arc::from(tenant),
+            gauges: Default::default(),
+            calls: CallCounts { admitted, shed },
+        }))
+    }
+
+    /// The value of one line of the text format, by its exact series name.
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn the_shed_ratio_gauge_goes_to_zero_when_the_calls_leave_the_window() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let clock = FakeClock::new(WALL);
+        let cfg = AlertsConfig {
+            window: Duration::from_secs(10),
+            for_: Duration::from_secs(1),
+            min_calls: 5,
+            ..cfg()
+        };
+        let ratio = |text: &str, tenant: &str| {
+            value(
+                text,
+                &format!("admitd_tenant_shed_ratio{{tenant=\"{tenant}\"}}"),
+            )
+        };
+        let firing = |text: &str, tenant: &str| {
+            value(
+                text,
+                &format!("admitd_alert_firing{{tenant=\"{tenant}\",alert=\"shed_ratio_high\"}}"),
+            )
+        };
+        metrics::with_local_recorder(&recorder, || {
+            let mut a = AlertActor::new(cfg, Arc::new(clock.clone()), FiringList::default());
+            // initech: 20 calls, 17 shed, then nothing; acme: too few calls to fire, two seconds later.
+            a.record_batch(&[report("initech", 3, 17)]);
+            a.tick();
+            clock.advance(Duration::from_secs(2));
+            a.record_batch(&[report("acme", 3, 1)]);
+            for s in 2..=14 {
+                a.tick();
+                let text = handle.render();
+                let (initech, acme) = if s < 10 {
+                    (0.85, 0.25)
+                } else if s < 12 {
+                    (0.0, 0.25)
+                } else {
+                    (0.0, 0.0)
+                };
+                assert_eq!(ratio(&text, "initech"), Some(initech), "at {s} s:\n{text}");
+                assert_eq!(ratio(&text, "acme"), Some(acme), "at {s} s:\n{text}");
+                let fires = if s < 10 { 1.0 } else { 0.0 };
+                assert_eq!(firing(&text, "initech"), Some(fires), "at {s} s:\n{text}");
+                assert_eq!(firing(&text, "acme"), Some(0.0), "at {s} s:\n{text}");
+                // The gauge says what the evaluation saw at the same tick.
+                for (tenant, r, calls, _) in a.evaluator.ratios() {
+                    assert_eq!(ratio(&text, &tenant), Some(r), "{tenant} at {s} s");
+                    assert_eq!(calls == 0, r == 0.0, "{tenant} at {s} s");
+                }
+                clock.advance(Duration::from_secs(1));
+            }
+        });
     }
 
     #[test]
