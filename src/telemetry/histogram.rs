@@ -119,6 +119,7 @@ impl Family {
         if series.is_empty() {
             return;
         }
+        write_help(out, self.name);
         let _ = writeln!(out, "# TYPE {} histogram", self.name);
         for (values, h) in series {
             let mut labels = String::new();
@@ -185,6 +186,7 @@ impl CounterFamily {
         if series.is_empty() {
             return;
         }
+        write_help(out, self.name);
         let _ = writeln!(out, "# TYPE {} counter", self.name);
         for (values, count) in series {
             let _ = write!(out, "{}", self.name);
@@ -258,6 +260,23 @@ fn join(values: &[&str]) -> Box<str> {
 /// renders none).
 fn split(joined: &str) -> impl Iterator<Item = &str> {
     joined.split('\0')
+}
+
+/// Appends the metric's `# HELP` line, from [`super::names::METRIC_HELP`] (help text in the text
+/// format escapes `\` and newlines).
+fn write_help(out: &mut String, name: &str) {
+    let Some(help) = super::names::help_of(name) else {
+        return;
+    };
+    let _ = write!(out, "# HELP {name} ");
+    for c in help.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.push('\n');
 }
 
 /// Label values in the text format escape `\`, `"` and newlines.

@@ -385,6 +385,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     let handle = recorder.handle();
     ::metrics::set_global_recorder(recorder)
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    names::describe_metrics();
 
     let span_exporter = match &cfg.telemetry.otlp {
         Some(otlp) => Some(spans::start(otlp, clock.clone())?),
@@ -428,13 +429,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     let dropped = telemetry.dropped.clone();
     let render_metrics = Arc::new(move || {
         ::metrics::counter!(names::EVENTS_DROPPED).absolute(dropped.load(Ordering::Relaxed));
-        handle.run_upkeep();
-        let mut out = handle.render();
-        if !out.is_empty() && !out.ends_with("\n\n") {
-            out.push('\n');
-        }
-        histograms.render(&mut out);
-        out
+        render(&handle, &histograms)
     });
     let render_alerts = Arc::new(move || serde_json::json!({ "alerts": *firing.read() }));
     Ok(Started {
@@ -446,10 +441,122 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     })
 }
 
+/// The text exposition of `GET /metrics`: the exporter's counters and gauges, then admitd's own
+/// metrics.
+fn render(
+    handle: &metrics_exporter_prometheus::PrometheusHandle,
+    histograms: &histogram::Histograms,
+) -> String {
+    handle.run_upkeep();
+    let mut out = handle.render();
+    if !out.is_empty() && !out.ends_with("\n\n") {
+        out.push('\n');
+    }
+    histograms.render(&mut out);
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{hash_identity, Throttle};
+    use super::names::{self, MetricKind, METRIC_HELP};
+    use super::{hash_identity, histogram, render, Throttle};
     use crate::clock::NS_PER_SEC;
+
+    /// Every metric name constant in names.rs (its `admitd_` strings), read from the source, so a
+    /// name added there without a help text fails the test below.
+    fn name_constants() -> Vec<String> {
+        include_str!("names.rs")
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("pub const ")?
+                    .split_once(": &str = \"admitd_")
+            })
+            .map(|(_, rest)| format!("admitd_{}", rest.trim_end_matches("\";")))
+            .collect()
+    }
+
+    #[test]
+    fn every_metric_renders_one_help_line_before_its_type_line() {
+        let names = name_constants();
+        assert!(
+            names.contains(&"admitd_admissions_total".to_string()),
+            "{names:?}"
+        );
+        assert_eq!(
+            names.len(),
+            METRIC_HELP.len(),
+            "one help text per name: {names:?}"
+        );
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // admitd's own metrics, one series each, as the metrics actor creates them.
+        let histograms = histogram::Histograms::default();
+        histograms
+            .admissions
+            .series(&["acme", "alice", "search", "none", "admitted", "none"]);
+        histograms.wait.series(&["acme", "search"]);
+        histograms.retry.series(&["acme", "subject"]);
+        histograms.tool.series(&["acme", "search", "none"]);
+        let mut own = String::new();
+        histograms.render(&mut own);
+        metrics::with_local_recorder(&recorder, || {
+            names::describe_metrics();
+            // Every other metric through the exporter, as the actors record them.
+            for m in METRIC_HELP {
+                if own.contains(&format!("# TYPE {} ", m.name)) {
+                    continue;
+                }
+                match m.kind {
+                    MetricKind::Counter => metrics::counter!(m.name).increment(1),
+                    MetricKind::Gauge => metrics::gauge!(m.name).set(1.0),
+                    MetricKind::Histogram => panic!("{} is not one of admitd's histograms", m.name),
+                }
+            }
+        });
+        let text = render(&handle, &histograms);
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("# HELP admitd_admissions_total ")),
+            "{text}"
+        );
+        let lines: Vec<&str> = text.lines().collect();
+        for name in &names {
+            let m = METRIC_HELP
+                .iter()
+                .find(|m| m.name == name)
+                .unwrap_or_else(|| panic!("{name} has no help text in METRIC_HELP"));
+            let help = format!("# HELP {} {}", m.name, m.help);
+            let kind = match m.kind {
+                MetricKind::Counter => "counter",
+                MetricKind::Gauge => "gauge",
+                MetricKind::Histogram => "histogram",
+            };
+            let at: Vec<usize> = (0..lines.len())
+                .filter(|&i| lines[i].starts_with(&format!("# HELP {} ", m.name)))
+                .collect();
+            assert_eq!(at.len(), 1, "one help line for {}:\n{text}", m.name);
+            assert_eq!(lines[at[0]], help, "{text}");
+            assert_eq!(
+                lines.get(at[0] + 1).copied(),
+                Some(format!("# TYPE {} {kind}", m.name).as_str()),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn help_texts_are_one_short_plain_line() {
+        for m in METRIC_HELP {
+            assert!(m.name.starts_with("admitd_"), "{}", m.name);
+            assert!(
+                !m.help.is_empty() && m.help.len() <= 100 && m.help.ends_with('.'),
+                "{}: {:?}",
+                m.name,
+                m.help
+            );
+            assert!(!m.help.contains(['\\', '\n']), "{}", m.name);
+        }
+    }
 
     #[test]
     fn a_throttle_allows_a_second_of_its_rate_at_once_then_its_rate() {

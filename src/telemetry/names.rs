@@ -1,7 +1,9 @@
-//! Every metric name, label and histogram bucket layout, in one place.
+//! Every metric name, its help text, label and histogram bucket layout, in one place.
 //!
 //! Dashboards and alert rules (in `dashboards/` and `alerts/`) depend on these names; docs/metrics.md
 //! documents them. Conventions: `admitd_` prefix, `_total` on counters, base units (`_seconds`).
+
+use metrics::Unit;
 
 pub const ADMISSIONS: &str = "admitd_admissions_total";
 pub const ADMISSION_WAIT: &str = "admitd_admission_wait_seconds";
@@ -27,6 +29,92 @@ pub const SPANS_DROPPED: &str = "admitd_spans_dropped_total";
 pub const SPANS_EXPORTED: &str = "admitd_spans_exported_total";
 pub const REFUSAL_LOGS_SUPPRESSED: &str = "admitd_refusal_logs_suppressed_total";
 pub const BUILD_INFO: &str = "admitd_build_info";
+
+/// The type of a metric, as its `# TYPE` line says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// A metric's `# HELP` text: one short sentence (docs/metrics.md says more), and its unit where the
+/// name ends in one.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricHelp {
+    pub name: &'static str,
+    pub kind: MetricKind,
+    pub unit: Option<Unit>,
+    pub help: &'static str,
+}
+
+const fn help(
+    name: &'static str,
+    kind: MetricKind,
+    unit: Option<Unit>,
+    help: &'static str,
+) -> MetricHelp {
+    MetricHelp {
+        name,
+        kind,
+        unit,
+        help,
+    }
+}
+
+/// The help text of every metric above.
+pub const METRIC_HELP: &[MetricHelp] = {
+    use MetricKind::{Counter, Gauge, Histogram};
+    const COUNT: Option<Unit> = Some(Unit::Count);
+    const SECONDS: Option<Unit> = Some(Unit::Seconds);
+    &[
+        help(ADMISSIONS, Counter, COUNT, "Admission decisions, one per call to POST /v1/admit that gets a decision."),
+        help(ADMISSION_WAIT, Histogram, SECONDS, "Time admitd held an admitted or shadow-shed call waiting for capacity."),
+        help(RETRY_AFTER, Histogram, SECONDS, "Retry hints handed out on retryable sheds."),
+        help(DECISION_DURATION, Histogram, SECONDS, "Time spent deciding one admission, excluding any wait."),
+        help(TOOL_DURATION, Histogram, SECONDS, "Tool run time as reported on release."),
+        help(UPSTREAM_RESPONSES, Counter, COUNT, "Upstream answers reported on release or through POST /v1/feedback."),
+        help(LEASE_EXPIRIES, Counter, COUNT, "Leases never released and freed by lease_ttl."),
+        help(INFLIGHT, Gauge, COUNT, "Calls admitted and not yet released or expired."),
+        help(WAITING, Gauge, COUNT, "Calls queued for a concurrency slot."),
+        help(BUCKET_UTILIZATION, Gauge, None, "Tokens used over burst, 0 to 1, of one bucket layer of the tenant."),
+        help(GLOBAL_UTILIZATION, Gauge, None, "Tokens used over burst, 0 to 1, of the global bucket."),
+        help(UPSTREAM_PENALTY, Gauge, SECONDS, "Seconds left in the penalty box after an upstream 429."),
+        help(UPSTREAM_EFFECTIVE_RATE, Gauge, None, "Cost units per second the upstream budget allows now, after AIMD cuts."),
+        help(UPSTREAM_THROTTLE, Gauge, None, "Share of calls to the upstream the adaptive throttle refuses now, 0 to 1."),
+        help(DAILY_QUOTA_USED, Gauge, None, "Cost units the tenant spent today (UTC day)."),
+        help(DAILY_QUOTA_LIMIT, Gauge, None, "The tenant's daily quota in cost units."),
+        help(TENANT_SHED_RATIO, Gauge, None, "Shed calls over all calls of the tenant in the alert window, 0 when the window is empty."),
+        help(ALERT_FIRING, Gauge, None, "1 while the in-daemon alert fires for the tenant, else 0."),
+        help(TENANT_ACTORS, Gauge, COUNT, "Live per-tenant actors."),
+        help(EVENTS_DROPPED, Counter, COUNT, "Telemetry events dropped because a telemetry mailbox was full."),
+        help(SPANS_DROPPED, Counter, COUNT, "Admission spans not exported, by reason."),
+        help(SPANS_EXPORTED, Counter, COUNT, "Admission spans the OTLP collector accepted."),
+        help(REFUSAL_LOGS_SUPPRESSED, Counter, COUNT, "Refusals not written to the log because of refusal_log_per_sec."),
+        help(BUILD_INFO, Gauge, None, "Always 1, labelled with the admitd version."),
+    ]
+};
+
+/// The help text of a metric, by name.
+pub fn help_of(name: &str) -> Option<&'static str> {
+    METRIC_HELP.iter().find(|m| m.name == name).map(|m| m.help)
+}
+
+/// Gives the installed recorder every metric's help text and unit, for its `# HELP` lines. The
+/// metrics admitd keeps itself ([`super::histogram`]) write theirs from [`METRIC_HELP`] directly.
+pub fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    for m in METRIC_HELP {
+        match (m.kind, m.unit) {
+            (MetricKind::Counter, Some(unit)) => describe_counter!(m.name, unit, m.help),
+            (MetricKind::Counter, None) => describe_counter!(m.name, m.help),
+            (MetricKind::Gauge, Some(unit)) => describe_gauge!(m.name, unit, m.help),
+            (MetricKind::Gauge, None) => describe_gauge!(m.name, m.help),
+            (MetricKind::Histogram, Some(unit)) => describe_histogram!(m.name, unit, m.help),
+            (MetricKind::Histogram, None) => describe_histogram!(m.name, m.help),
+        }
+    }
+}
 
 /// The label value for a subject past the per-tenant cardinality cap (and for any other capped label).
 pub const OTHER: &str = "__other__";
