@@ -204,6 +204,31 @@ fn every_dashboard_and_rule_expression_evaluates_against_real_traffic() {
     // one more scrape and rule evaluation after the last traffic
     std::thread::sleep(Duration::from_secs(3));
 
+    // The exposition itself passes promtool's checks and lint (help text, names, units) for both
+    // daemons, with every kind of series present.
+    for d in [&enforce, &shadow] {
+        let metrics = d.get("/metrics");
+        let text = metrics.body.as_str().expect("the exposition is text");
+        let mut lint = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("promtool (from the prometheus package) runs");
+        std::io::Write::write_all(&mut lint.stdin.take().unwrap(), text.as_bytes()).unwrap();
+        let out = lint.wait_with_output().unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && said.trim().is_empty(),
+            "promtool check metrics: {said}"
+        );
+    }
+
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let dashboard: Value = serde_json::from_str(
         &std::fs::read_to_string(root.join("dashboards/admitd.json")).unwrap(),
