@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check the project has, exactly as CI does: formatting, lints, unit and black-box tests,
-# and the operator artifacts (Prometheus rules, dashboards). Installs what the tests need when missing.
+# the Python client's tests, and the operator artifacts (Prometheus rules, dashboards). Installs what
+# the tests need when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,9 @@ cargo clippy --all-targets -- -D warnings
 
 echo "== cargo test"
 cargo test --all-features
+
+echo "== Python client against the daemon built above"
+ADMITD_BIN=target/debug/admitd python3 -W error::ResourceWarning -m unittest discover -s clients/python -p 'test_*.py'
 
 echo "== operator artifacts"
 bash tests/ops/check_ops.sh

@@ -1,0 +1,264 @@
+"""Tests of the Python client against the real admitd binary (``ADMITD_BIN``, default
+``target/debug/admitd``), started on a free port for each test class.
+
+    ADMITD_BIN=target/debug/admitd python3 -m unittest discover -s clients/python -v
+"""
+
+import asyncio
+import os
+import socket
+import subprocess
+import tempfile
+import threading
+import unittest
+
+from admitd_client import Admitd, AdmitdError, AdmitdUnavailable
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BIN = os.environ.get("ADMITD_BIN", os.path.join(ROOT, "target", "debug", "admitd"))
+
+CONFIG = """
+[server]
+max_wait = "2s"
+
+[limits.subject]
+rate = "1/s"
+burst = 2
+concurrency = 4
+
+[upstreams.warehouse]
+rate = "100/s"
+burst = 100
+
+[tools.get_sales]
+upstream = "warehouse"
+"""
+
+
+class Daemon:
+    """admitd on a free port with the given config, until ``stop``."""
+
+    def __init__(self, config: str):
+        self.dir = tempfile.TemporaryDirectory()
+        path = os.path.join(self.dir.name, "admitd.toml")
+        with open(path, "w") as f:
+            f.write(config)
+        self.proc = subprocess.Popen(
+            [BIN, "serve", "--listen", "127.0.0.1:0", "--config", path],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        found = threading.Event()
+        self.addr = None
+
+        def read():
+            for line in self.proc.stderr:
+                if line.startswith("admitd listening on ") and self.addr is None:
+                    self.addr = line[len("admitd listening on ") :].strip()
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(20):
+            self.stop()
+            raise RuntimeError("admitd did not start")
+        self.url = "http://" + self.addr
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stderr.close()
+        self.dir.cleanup()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AgainstTheDaemon(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not os.access(BIN, os.X_OK):
+            if "ADMITD_BIN" in os.environ:
+                raise RuntimeError(f"ADMITD_BIN={BIN} is not an executable")
+            raise unittest.SkipTest(f"no admitd binary at {BIN} (cargo build, or set ADMITD_BIN)")
+        cls.daemon = Daemon(CONFIG)
+        cls.admitd = Admitd(cls.daemon.url)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.admitd.close()
+        cls.daemon.stop()
+
+    def inflight(self, tenant):
+        snap = self.admitd.tenant(tenant)
+        return 0 if snap is None else snap["inflight"]
+
+    def test_admit_then_release(self):
+        d = self.admitd.admit("t-admit", "bot", "search", call_id="c-1")
+        self.assertTrue(d.admitted)
+        self.assertFalse(d.degraded)
+        self.assertTrue(d.lease_id)
+        self.assertEqual(d.body["remaining"], 1)
+        self.assertIn("ratelimit", d.headers)
+        self.assertEqual(self.inflight("t-admit"), 1)
+        self.assertTrue(self.admitd.release(d.lease_id, "ok", duration_ms=12.5))
+        self.assertEqual(self.inflight("t-admit"), 0)
+        # Released already: admitd no longer knows the lease.
+        self.assertFalse(self.admitd.release(d.lease_id))
+
+    def test_a_refusal_carries_the_tool_result_and_the_block_does_not_run_the_tool(self):
+        for _ in range(2):
+            self.assertTrue(self.admitd.admit("t-shed", "bot", "search", max_wait_ms=0).admitted)
+        ran = False
+        with self.admitd.call("t-shed", "bot", "search", max_wait_ms=0) as call:
+            if call.admitted:
+                ran = True
+            result = call.tool_result
+        self.assertFalse(ran)
+        self.assertEqual(call.decision.scope, "subject")
+        self.assertTrue(call.decision.retryable)
+        self.assertGreater(call.decision.retry_after_ms, 0)
+        self.assertTrue(result["isError"])
+        self.assertIn("Wait", result["content"][0]["text"])
+        self.assertEqual(result["structuredContent"]["error"], "rate_limited")
+
+    def test_a_short_shortfall_is_waited_out(self):
+        for _ in range(2):
+            self.admitd.admit("t-wait", "bot", "search")
+        d = self.admitd.admit("t-wait", "bot", "search", max_wait_ms=2000)
+        self.assertTrue(d.admitted, d.body)
+        self.assertGreater(d.waited_ms, 0)
+
+    def test_the_block_releases_with_the_outcome_it_had(self):
+        with self.admitd.call("t-ok", "bot", "search") as call:
+            self.assertTrue(call.admitted)
+            self.assertEqual(self.inflight("t-ok"), 1)
+        self.assertEqual(self.inflight("t-ok"), 0)
+
+        with self.assertRaises(ZeroDivisionError):
+            with self.admitd.call("t-err", "bot", "search") as call:
+                self.assertEqual(self.inflight("t-err"), 1)
+                1 / 0
+        # The exception went on to the caller, and the slot came back.
+        self.assertEqual(self.inflight("t-err"), 0)
+        self.assertTrue(call._released)
+
+    def test_an_upstream_429_puts_the_upstream_in_the_penalty_box(self):
+        with self.admitd.call("t-429", "bot", "get_sales") as call:
+            self.assertTrue(call.admitted)
+            call.upstream_response(429, "30")
+        again = self.admitd.admit("t-429", "other-bot", "get_sales", max_wait_ms=0)
+        self.assertFalse(again.admitted)
+        self.assertEqual(again.scope, "upstream_penalty")
+        self.assertGreater(again.retry_after_ms, 25_000)
+        # Another tenant's budget for the same (not shared) upstream is untouched.
+        self.assertTrue(self.admitd.admit("t-429-b", "bot", "get_sales").admitted)
+
+    def test_feedback_outside_a_lease(self):
+        self.admitd.feedback("t-fb", "warehouse", 429, retry_after=20)
+        d = self.admitd.admit("t-fb", "bot", "get_sales", max_wait_ms=0)
+        self.assertEqual((d.admitted, d.scope), (False, "upstream_penalty"))
+
+    def test_malformed_requests_raise(self):
+        with self.assertRaises(AdmitdError) as e:
+            self.admitd.admit("t-bad", "x" * 200, "search")
+        self.assertEqual((e.exception.status, e.exception.code), (400, "invalid_request"))
+        self.assertIn("128 bytes", e.exception.message)
+        with self.assertRaises(ValueError):
+            self.admitd.release("whatever", "done")
+
+    def test_names_travel_as_sent(self):
+        d = self.admitd.admit("t é/?#", "bot", "search")
+        self.assertTrue(d.admitted)
+        snap = self.admitd.tenant("t é/?#")
+        self.assertEqual(snap["tenant"], "t é/?#")
+        self.assertTrue(self.admitd.release(d.lease_id))
+        self.assertIsNone(self.admitd.tenant("nobody-here"))
+
+    def test_threads_share_one_client(self):
+        errors = []
+
+        def work(i):
+            try:
+                for _ in range(5):
+                    with self.admitd.call("t-threads", f"bot-{i}", "search") as call:
+                        self.assertTrue(call.admitted or call.tool_result["isError"])
+            except Exception as e:  # noqa: BLE001 - collected for the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(self.inflight("t-threads"), 0)
+
+    def test_async_calls_release_when_cancelled(self):
+        async def main():
+            async with self.admitd.acall("t-async", "bot", "search") as call:
+                self.assertTrue(call.admitted)
+                self.assertEqual(self.inflight("t-async"), 1)
+            self.assertEqual(self.inflight("t-async"), 0)
+
+            started = asyncio.Event()
+
+            async def slow_tool():
+                async with self.admitd.acall("t-async", "bot2", "search"):
+                    started.set()
+                    await asyncio.sleep(30)
+
+            task = asyncio.create_task(slow_tool())
+            await started.wait()
+            self.assertEqual(self.inflight("t-async"), 1)
+            task.cancel()
+            with self.assertRaises(asyncio.CancelledError):
+                await task
+            self.assertEqual(self.inflight("t-async"), 0)
+
+        asyncio.run(main())
+
+    def test_a_kept_alive_connection_closed_by_the_daemon_is_reopened(self):
+        with Admitd(self.daemon.url) as client:
+            self.assertTrue(client.admit("t-reopen", "bot", "search").admitted)
+            # Close the socket under the client, as a daemon restart or an idle timeout would.
+            client._local.conn.sock.shutdown(socket.SHUT_RDWR)
+            self.assertTrue(client.admit("t-reopen", "bot", "search").admitted)
+
+
+class WithoutTheDaemon(unittest.TestCase):
+    def test_fail_open_runs_the_call_without_a_lease(self):
+        client = Admitd(f"http://127.0.0.1:{closed_port()}", timeout=1)
+        with self.assertLogs("admitd_client", "WARNING"):
+            with client.call("t", "bot", "search") as call:
+                self.assertTrue(call.admitted)
+                self.assertTrue(call.decision.degraded)
+                self.assertIsNone(call.decision.lease_id)
+
+    def test_fail_closed_refuses_with_a_tool_result(self):
+        client = Admitd(f"http://127.0.0.1:{closed_port()}", fail_open=False, unavailable_retry_s=7)
+        with self.assertLogs("admitd_client", "WARNING"):
+            d = client.admit("t", "bot", "search")
+        self.assertFalse(d.admitted)
+        self.assertTrue(d.degraded)
+        self.assertEqual(d.retry_after_ms, 7000)
+        self.assertTrue(d.tool_result["isError"])
+        self.assertIn("Wait 7 seconds", d.tool_result["content"][0]["text"])
+        with self.assertRaises(AdmitdUnavailable):
+            client.release("00", "ok")
+
+    def test_only_http_urls(self):
+        for bad in ("https://127.0.0.1:9470", "127.0.0.1:9470", "http://"):
+            with self.assertRaises(ValueError):
+                Admitd(bad)
+
+
+if __name__ == "__main__":
+    unittest.main()
