@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every check the project has, exactly as CI does: formatting, lints, unit and black-box tests,
-# the Python client's tests, and the operator artifacts (Prometheus rules, dashboards). Installs what
+# the Python and JavaScript clients' tests, and the operator artifacts (Prometheus rules, dashboards). Installs what
 # the tests need when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
+command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing test dependencies: ${need_apt[*]}"
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -28,6 +30,9 @@ cargo test --all-features
 
 echo "== Python client against the daemon built above"
 ADMITD_BIN=target/debug/admitd python3 -W error::ResourceWarning -m unittest discover -s clients/python -p 'test_*.py'
+
+echo "== JavaScript client against the daemon built above"
+ADMITD_BIN=target/debug/admitd node --test clients/js/
 
 echo "== operator artifacts"
 bash tests/ops/check_ops.sh

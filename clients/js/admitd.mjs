@@ -1,0 +1,248 @@
+// A client for admitd, for MCP servers on Node.js (18 or later): ask before a tool runs, release after,
+// hand refusals to the model. No dependencies; types in admitd.d.mts.
+//
+//   import { Admitd } from "./admitd.mjs";
+//   const admitd = new Admitd(); // http://127.0.0.1:9470
+//
+//   server.tool("get_sales", schema, async (args, extra) =>
+//     admitd.call({ tenant, subject, tool: "get_sales", upstream: "warehouse" }, async (call) => {
+//       const resp = await fetch(warehouseUrl(args));
+//       call.upstreamResponse(resp.status, resp.headers.get("retry-after"));
+//       return toToolResult(await resp.json());
+//     }));
+//
+// `call` runs the function only when admitd admits the call, and returns admitd's ready-made
+// CallToolResult (isError: true) when it refuses. The lease is released when the function settles:
+// outcome "ok", "error" when it threw (the error is rethrown), "cancelled" when it threw an AbortError,
+// "upstream_rate_limited" when the upstream answered 429 (its Retry-After then puts the upstream in
+// admitd's penalty box).
+//
+// If admitd cannot be reached (or answers 5xx), failOpen (the default) runs the call without a lease,
+// marked degraded; failOpen: false refuses it with a tool result that asks the model to wait
+// unavailableRetryS seconds. Requests admitd rejects as malformed (400, 413) throw AdmitdError.
+
+export const OUTCOMES = Object.freeze(["ok", "error", "upstream_rate_limited", "cancelled"]);
+
+/** admitd refused the request itself (400 invalid_request, 413 body_too_large, ...). */
+export class AdmitdError extends Error {
+  constructor(status, code, message) {
+    super(`admitd answered ${status} ${code}: ${message}`);
+    this.name = "AdmitdError";
+    this.status = status;
+    this.code = code;
+    this.detail = message;
+  }
+}
+
+/** admitd could not be reached, or answered 5xx (thrown by release, feedback and tenant). */
+export class AdmitdUnavailable extends Error {
+  constructor(message, options) {
+    super(message, options);
+    this.name = "AdmitdUnavailable";
+  }
+}
+
+function unavailableResult(waitS) {
+  const text =
+    `This tool is temporarily unavailable. Wait ${waitS} seconds, then retry this call with the ` +
+    "same arguments; the arguments are fine. Do not retry sooner. Meanwhile, continue with what " +
+    "you already have and tell the user this result is pending.";
+  return {
+    content: [{ type: "text", text }],
+    structuredContent: { error: "unavailable", scope: null, retry_after_ms: waitS * 1000, retryable: true },
+    isError: true,
+  };
+}
+
+/** A `Retry-After` value as it came (text), or a number of seconds. */
+function retryAfterValue(v) {
+  return typeof v === "string" ? v.trim() : v;
+}
+
+export class Admitd {
+  constructor(url = "http://127.0.0.1:9470", { timeoutMs = 5000, failOpen = true, unavailableRetryS = 5, logger = console } = {}) {
+    const u = new URL(url);
+    if (u.protocol !== "http:" || !u.hostname) {
+      throw new TypeError(`admitd URL must be http://host[:port], not ${JSON.stringify(url)}`);
+    }
+    this.base = `http://${u.host}`;
+    this.timeoutMs = timeoutMs;
+    this.failOpen = failOpen;
+    this.unavailableRetryS = Math.max(1, Math.trunc(unavailableRetryS));
+    this.logger = logger;
+  }
+
+  async #request(method, path, body, headers = {}, timeoutMs = this.timeoutMs) {
+    let resp;
+    try {
+      resp = await fetch(this.base + path, {
+        method,
+        headers: body === undefined ? headers : { "content-type": "application/json", ...headers },
+        body: body === undefined ? undefined : JSON.stringify(body),
+        signal: AbortSignal.timeout(timeoutMs),
+      });
+    } catch (e) {
+      throw new AdmitdUnavailable(`cannot reach admitd at ${this.base}: ${e.cause?.code ?? e.message}`, { cause: e });
+    }
+    const text = await resp.text();
+    let parsed;
+    try {
+      parsed = text ? JSON.parse(text) : {};
+    } catch {
+      parsed = { error: "not_json", message: text.slice(0, 200) };
+    }
+    if (resp.status >= 500) {
+      throw new AdmitdUnavailable(`admitd answered ${resp.status}: ${text.slice(0, 200)}`);
+    }
+    return { status: resp.status, headers: Object.fromEntries(resp.headers), body: parsed };
+  }
+
+  static #error(status, body) {
+    return new AdmitdError(status, String(body?.error ?? "?"), String(body?.message ?? ""));
+  }
+
+  /**
+   * Asks whether the call may run. `subject` must come from the validated credential, never from
+   * anything the model wrote; pass the incoming request's W3C `traceparent` to join its trace.
+   */
+  async admit({ tenant, subject, tool, upstream, cost, maxWaitMs, callId, traceparent }) {
+    const body = { tenant, subject, tool };
+    if (upstream != null) body.upstream = upstream;
+    if (cost != null) body.cost = cost;
+    if (maxWaitMs != null) body.max_wait_ms = maxWaitMs;
+    if (callId != null) body.call_id = callId;
+    const headers = traceparent ? { traceparent } : {};
+    // admitd may hold the call for its allowed wait before it answers.
+    const timeoutMs = this.timeoutMs + Math.max(0, maxWaitMs ?? 2000);
+    let answer;
+    try {
+      answer = await this.#request("POST", "/v1/admit", body, headers, timeoutMs);
+    } catch (e) {
+      if (e instanceof AdmitdUnavailable) return this.#degraded(e.message);
+      throw e;
+    }
+    const { status, headers: h, body: b } = answer;
+    if (status === 200) {
+      return { admitted: true, leaseId: b.lease_id, waitedMs: b.waited_ms ?? 0, mode: b.mode, degraded: false, body: b, headers: h };
+    }
+    if (status === 429) {
+      return {
+        admitted: false,
+        scope: b.scope,
+        retryAfterMs: b.retry_after_ms ?? 0,
+        retryable: Boolean(b.retryable),
+        toolResult: b.tool_result,
+        degraded: false,
+        body: b,
+        headers: h,
+      };
+    }
+    throw Admitd.#error(status, b);
+  }
+
+  #degraded(why) {
+    if (this.failOpen) {
+      this.logger?.warn?.(`admitd unavailable, running the call without a lease: ${why}`);
+      return { admitted: true, leaseId: null, waitedMs: 0, degraded: true, body: {}, headers: {} };
+    }
+    this.logger?.warn?.(`admitd unavailable, refusing the call: ${why}`);
+    const wait = this.unavailableRetryS;
+    return {
+      admitted: false,
+      scope: null,
+      retryAfterMs: wait * 1000,
+      retryable: true,
+      toolResult: unavailableResult(wait),
+      degraded: true,
+      body: {},
+      headers: {},
+    };
+  }
+
+  /**
+   * Releases a lease; `retryAfter` is the upstream's Retry-After value as it came. Resolves to true
+   * when released, false when admitd no longer knew the lease (released already, or expired).
+   */
+  async release(leaseId, outcome = "ok", { upstreamStatus, retryAfter, durationMs } = {}) {
+    if (!OUTCOMES.includes(outcome)) {
+      throw new TypeError(`outcome must be one of ${OUTCOMES.join(", ")}, not ${JSON.stringify(outcome)}`);
+    }
+    const body = { lease_id: leaseId, outcome };
+    if (upstreamStatus != null) body.upstream_status = Math.trunc(upstreamStatus);
+    if (retryAfter != null) body.retry_after = retryAfterValue(retryAfter);
+    if (durationMs != null) body.duration_ms = Math.max(0, Math.round(durationMs));
+    const { status, body: b } = await this.#request("POST", "/v1/release", body);
+    if (status === 200) return true;
+    if (status === 404) return false;
+    throw Admitd.#error(status, b);
+  }
+
+  /** Reports an upstream answer seen outside a lease (a 429 starts the penalty box). */
+  async feedback({ tenant, upstream, status, retryAfter }) {
+    const body = { tenant, upstream, status: Math.trunc(status) };
+    if (retryAfter != null) body.retry_after = retryAfterValue(retryAfter);
+    const answer = await this.#request("POST", "/v1/feedback", body);
+    if (answer.status !== 202) throw Admitd.#error(answer.status, answer.body);
+  }
+
+  /** The tenant's snapshot, or null when admitd holds no state for it. */
+  async tenant(name) {
+    const { status, body } = await this.#request("GET", `/v1/tenants/${encodeURIComponent(name)}`);
+    if (status === 200) return body;
+    if (status === 404) return null;
+    throw Admitd.#error(status, body);
+  }
+
+  /**
+   * Admits the call and runs `fn(call)` only if admitted; otherwise resolves to admitd's tool
+   * result for the model. Releases the lease when `fn` settles (see the top of this file).
+   */
+  async call(args, fn) {
+    const decision = await this.admit(args);
+    if (!decision.admitted) return decision.toolResult;
+    const call = new Call(decision);
+    try {
+      const result = await fn(call);
+      await this.#finish(call, "ok");
+      return result;
+    } catch (e) {
+      await this.#finish(call, e?.name === "AbortError" ? "cancelled" : "error");
+      throw e;
+    }
+  }
+
+  async #finish(call, fallback) {
+    const lease = call.decision.leaseId;
+    if (!lease) return;
+    const outcome = call.outcome ?? (call.status === 429 ? "upstream_rate_limited" : fallback);
+    try {
+      const released = await this.release(lease, outcome, {
+        upstreamStatus: call.status,
+        retryAfter: call.retryAfter,
+        durationMs: performance.now() - call.started,
+      });
+      if (!released) this.logger?.info?.(`admitd no longer knew lease ${lease} (expired after lease_ttl?)`);
+    } catch (e) {
+      // The tool's own result or error matters more; the lease expires after lease_ttl.
+      this.logger?.warn?.(`could not release lease ${lease}: ${e.message}`);
+    }
+  }
+}
+
+/** One admitted call inside `Admitd.call`. */
+export class Call {
+  constructor(decision) {
+    this.decision = decision;
+    /** Overrides the outcome chosen when the function settles (one of OUTCOMES). */
+    this.outcome = undefined;
+    this.status = undefined;
+    this.retryAfter = undefined;
+    this.started = performance.now();
+  }
+
+  /** Records what the upstream answered; a 429 is released as upstream_rate_limited. */
+  upstreamResponse(status, retryAfter) {
+    this.status = Math.trunc(status);
+    if (retryAfter != null) this.retryAfter = retryAfter;
+  }
+}

@@ -1,0 +1,225 @@
+// Tests of the JavaScript client against the real admitd binary (ADMITD_BIN, default
+// target/debug/admitd), started on a free port.
+//
+//   ADMITD_BIN=target/debug/admitd node --test clients/js/
+
+import { spawn } from "node:child_process";
+import { access, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { constants } from "node:fs";
+import { createServer } from "node:net";
+import { tmpdir } from "node:os";
+import { join, dirname, resolve } from "node:path";
+import { fileURLToPath } from "node:url";
+import { after, before, describe, test } from "node:test";
+import assert from "node:assert/strict";
+
+import { Admitd, AdmitdError, AdmitdUnavailable } from "./admitd.mjs";
+
+const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "..", "..");
+const BIN = process.env.ADMITD_BIN ?? join(ROOT, "target", "debug", "admitd");
+
+const CONFIG = `
+[limits.subject]
+rate = "1/s"
+burst = 2
+concurrency = 4
+
+[upstreams.warehouse]
+rate = "100/s"
+burst = 100
+
+[tools.get_sales]
+upstream = "warehouse"
+`;
+
+const quiet = { warn() {}, info() {} };
+
+async function startDaemon(config) {
+  const dir = await mkdtemp(join(tmpdir(), "admitd-js-"));
+  const path = join(dir, "admitd.toml");
+  await writeFile(path, config);
+  const child = spawn(BIN, ["serve", "--listen", "127.0.0.1:0", "--config", path], {
+    stdio: ["ignore", "ignore", "pipe"],
+  });
+  const addr = await new Promise((ok, fail) => {
+    let seen = "";
+    const timer = setTimeout(() => fail(new Error(`admitd did not start: ${seen}`)), 20000);
+    child.stderr.setEncoding("utf8");
+    child.stderr.on("data", (chunk) => {
+      seen += chunk;
+      const m = seen.match(/admitd listening on (\S+)/);
+      if (m) {
+        clearTimeout(timer);
+        ok(m[1]);
+      }
+    });
+    child.on("exit", (code) => fail(new Error(`admitd exited (${code}): ${seen}`)));
+  });
+  return {
+    url: `http://${addr}`,
+    async stop() {
+      const exited = new Promise((ok) => child.once("exit", ok));
+      child.kill("SIGTERM");
+      await exited;
+      await rm(dir, { recursive: true, force: true });
+    },
+  };
+}
+
+async function closedPort() {
+  const srv = createServer();
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  const { port } = srv.address();
+  await new Promise((ok) => srv.close(ok));
+  return port;
+}
+
+async function binaryExists() {
+  try {
+    await access(BIN, constants.X_OK);
+    return true;
+  } catch {
+    if (process.env.ADMITD_BIN) throw new Error(`ADMITD_BIN=${BIN} is not an executable`);
+    return false;
+  }
+}
+
+const haveBinary = await binaryExists();
+
+describe("against the daemon", { skip: haveBinary ? false : `no admitd binary at ${BIN}` }, () => {
+  let daemon;
+  let admitd;
+  const inflight = async (tenant) => (await admitd.tenant(tenant))?.inflight ?? 0;
+
+  before(async () => {
+    daemon = await startDaemon(CONFIG);
+    admitd = new Admitd(daemon.url, { logger: quiet });
+  });
+  after(async () => daemon?.stop());
+
+  test("admit, then release", async () => {
+    const d = await admitd.admit({ tenant: "t-admit", subject: "bot", tool: "search", callId: "c-1" });
+    assert.equal(d.admitted, true);
+    assert.equal(d.degraded, false);
+    assert.ok(d.leaseId);
+    assert.equal(d.body.remaining, 1);
+    assert.ok(d.headers.ratelimit);
+    assert.equal(await inflight("t-admit"), 1);
+    assert.equal(await admitd.release(d.leaseId, "ok", { durationMs: 12.5 }), true);
+    assert.equal(await inflight("t-admit"), 0);
+    assert.equal(await admitd.release(d.leaseId), false, "released already");
+  });
+
+  test("a refusal returns the tool result and does not run the tool", async () => {
+    for (let i = 0; i < 2; i++) {
+      assert.equal((await admitd.admit({ tenant: "t-shed", subject: "bot", tool: "search", maxWaitMs: 0 })).admitted, true);
+    }
+    let ran = false;
+    const result = await admitd.call({ tenant: "t-shed", subject: "bot", tool: "search", maxWaitMs: 0 }, async () => {
+      ran = true;
+    });
+    assert.equal(ran, false);
+    assert.equal(result.isError, true);
+    assert.match(result.content[0].text, /Wait \d+ seconds?/);
+    assert.equal(result.structuredContent.error, "rate_limited");
+    assert.equal(result.structuredContent.scope, "subject");
+  });
+
+  test("the lease is released with the outcome the function had", async () => {
+    const value = await admitd.call({ tenant: "t-ok", subject: "bot", tool: "search" }, async (call) => {
+      assert.equal(call.decision.admitted, true);
+      assert.equal(await inflight("t-ok"), 1);
+      return 42;
+    });
+    assert.equal(value, 42);
+    assert.equal(await inflight("t-ok"), 0);
+
+    await assert.rejects(
+      admitd.call({ tenant: "t-err", subject: "bot", tool: "search" }, async () => {
+        assert.equal(await inflight("t-err"), 1);
+        throw new RangeError("tool failed");
+      }),
+      RangeError,
+    );
+    assert.equal(await inflight("t-err"), 0);
+  });
+
+  test("an upstream 429 puts the upstream in the penalty box", async () => {
+    await admitd.call({ tenant: "t-429", subject: "bot", tool: "get_sales" }, async (call) => {
+      call.upstreamResponse(429, "30");
+    });
+    const again = await admitd.admit({ tenant: "t-429", subject: "other", tool: "get_sales", maxWaitMs: 0 });
+    assert.equal(again.admitted, false);
+    assert.equal(again.scope, "upstream_penalty");
+    assert.ok(again.retryAfterMs > 25000, `${again.retryAfterMs}`);
+    const other = await admitd.admit({ tenant: "t-429-b", subject: "bot", tool: "get_sales" });
+    assert.equal(other.admitted, true, "another tenant's budget is untouched");
+  });
+
+  test("feedback outside a lease", async () => {
+    await admitd.feedback({ tenant: "t-fb", upstream: "warehouse", status: 429, retryAfter: 20 });
+    const d = await admitd.admit({ tenant: "t-fb", subject: "bot", tool: "get_sales", maxWaitMs: 0 });
+    assert.deepEqual([d.admitted, d.scope], [false, "upstream_penalty"]);
+  });
+
+  test("malformed requests throw", async () => {
+    await assert.rejects(admitd.admit({ tenant: "t-bad", subject: "x".repeat(200), tool: "search" }), (e) => {
+      assert.ok(e instanceof AdmitdError);
+      assert.equal(e.status, 400);
+      assert.equal(e.code, "invalid_request");
+      return true;
+    });
+    await assert.rejects(admitd.release("whatever", "done"), TypeError);
+  });
+
+  test("names travel as sent", async () => {
+    const d = await admitd.admit({ tenant: "t é/?#", subject: "bot", tool: "search" });
+    assert.equal(d.admitted, true);
+    assert.equal((await admitd.tenant("t é/?#")).tenant, "t é/?#");
+    assert.equal(await admitd.release(d.leaseId), true);
+    assert.equal(await admitd.tenant("nobody-here"), null);
+  });
+
+  test("an aborted call is released as cancelled", async () => {
+    const ac = new AbortController();
+    const pending = admitd.call({ tenant: "t-abort", subject: "bot", tool: "search" }, async () => {
+      await new Promise((_, fail) =>
+        ac.signal.addEventListener("abort", () => fail(Object.assign(new Error("aborted"), { name: "AbortError" }))),
+      );
+    });
+    while ((await inflight("t-abort")) !== 1) await new Promise((ok) => setTimeout(ok, 10));
+    ac.abort();
+    await assert.rejects(pending, { name: "AbortError" });
+    assert.equal(await inflight("t-abort"), 0);
+  });
+});
+
+describe("without the daemon", () => {
+  test("fail open runs the call without a lease", async () => {
+    const warned = [];
+    const admitd = new Admitd(`http://127.0.0.1:${await closedPort()}`, { logger: { warn: (m) => warned.push(m) } });
+    const value = await admitd.call({ tenant: "t", subject: "bot", tool: "search" }, async (call) => {
+      assert.equal(call.decision.degraded, true);
+      assert.equal(call.decision.leaseId, null);
+      return "ran";
+    });
+    assert.equal(value, "ran");
+    assert.equal(warned.length, 1);
+  });
+
+  test("fail closed refuses with a tool result", async () => {
+    const admitd = new Admitd(`http://127.0.0.1:${await closedPort()}`, { failOpen: false, unavailableRetryS: 7, logger: quiet });
+    const d = await admitd.admit({ tenant: "t", subject: "bot", tool: "search" });
+    assert.equal(d.admitted, false);
+    assert.equal(d.degraded, true);
+    assert.equal(d.retryAfterMs, 7000);
+    assert.match(d.toolResult.content[0].text, /Wait 7 seconds/);
+    await assert.rejects(admitd.release("00", "ok"), AdmitdUnavailable);
+  });
+
+  test("only http URLs", () => {
+    for (const bad of ["https://127.0.0.1:9470", "ftp://x"]) {
+      assert.throws(() => new Admitd(bad), TypeError);
+    }
+  });
+});
