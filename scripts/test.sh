@@ -29,10 +29,10 @@ echo "== cargo test"
 cargo test --all-features
 
 echo "== Python client against the daemon built above"
-ADMITD_BIN=target/debug/admitd python3 -W error::ResourceWarning -m unittest discover -s clients/python -p 'test_*.py'
+ADMITD_BIN=target/debug/admitd timeout 300 python3 -W error::ResourceWarning -m unittest discover -s clients/python -p 'test_*.py'
 
 echo "== JavaScript client against the daemon built above"
-ADMITD_BIN=target/debug/admitd node --test clients/js/
+ADMITD_BIN=target/debug/admitd timeout 300 node --test clients/js/
 
 echo "== operator artifacts"
 bash tests/ops/check_ops.sh

@@ -41,6 +41,8 @@ async function startDaemon(config) {
   const child = spawn(BIN, ["serve", "--listen", "127.0.0.1:0", "--config", path], {
     stdio: ["ignore", "ignore", "pipe"],
   });
+  // Never outlive the tests, whatever ends them.
+  process.on("exit", () => child.kill("SIGKILL"));
   const addr = await new Promise((ok, fail) => {
     let seen = "";
     const timer = setTimeout(() => fail(new Error(`admitd did not start: ${seen}`)), 20000);
@@ -182,12 +184,17 @@ describe("against the daemon", { skip: haveBinary ? false : `no admitd binary at
 
   test("an aborted call is released as cancelled", async () => {
     const ac = new AbortController();
+    let running;
+    const started = new Promise((ok) => (running = ok));
     const pending = admitd.call({ tenant: "t-abort", subject: "bot", tool: "search" }, async () => {
-      await new Promise((_, fail) =>
+      const aborted = new Promise((_, fail) =>
         ac.signal.addEventListener("abort", () => fail(Object.assign(new Error("aborted"), { name: "AbortError" }))),
       );
+      running();
+      await aborted;
     });
-    while ((await inflight("t-abort")) !== 1) await new Promise((ok) => setTimeout(ok, 10));
+    await started;
+    assert.equal(await inflight("t-abort"), 1);
     ac.abort();
     await assert.rejects(pending, { name: "AbortError" });
     assert.equal(await inflight("t-abort"), 0);
