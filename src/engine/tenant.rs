@@ -1074,11 +1074,14 @@ impl TenantEngine {
             self.policy.limits.subject.daily_quota,
             self.policy.limits.tenant.daily_quota,
         );
-        let subj_used = self
-            .subjects
-            .get(&*r.subject)
-            .map_or(0.0, |s| s.quota.used_on(day));
-        let over_subject = subject_quota.is_some_and(|q| subj_used + r.cost > q + 1e-9);
+        // The subject's use is looked up only when there is a quota to hold it to.
+        let over_subject = subject_quota.is_some_and(|q| {
+            let used = self
+                .subjects
+                .get(&*r.subject)
+                .map_or(0.0, |s| s.quota.used_on(day));
+            used + r.cost > q + 1e-9
+        });
         let over_tenant = tenant_quota.is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
         if over_subject || over_tenant {
             self.free_slots(&r.subject);
