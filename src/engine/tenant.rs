@@ -754,8 +754,7 @@ impl TenantEngine {
         if let Some(shed) = self.adaptive(&r, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
-        if self.slots_free(&r.subject) {
-            self.take_slots(&r.subject);
+        if self.take_slots_if_free(&r.subject) {
             return AdmitResult::Decided(self.after_slots(
                 r,
                 &plan,
@@ -1025,6 +1024,21 @@ impl TenantEngine {
             .tenant
             .concurrency
             .is_none_or(|c| self.inflight < c)
+    }
+
+    /// [`Self::slots_free`] and [`Self::take_slots`] with one lookup of the subject.
+    fn take_slots_if_free(&mut self, subject: &Arc<str>) -> bool {
+        if !self.tenant_slot_free() {
+            return false;
+        }
+        let cap = self.policy.limits.subject.concurrency;
+        let s = self.subject_mut(subject);
+        if cap.is_some_and(|c| s.inflight >= c) {
+            return false;
+        }
+        s.inflight += 1;
+        self.inflight += 1;
+        true
     }
 
     fn take_slots(&mut self, subject: &Arc<str>) {
