@@ -49,7 +49,7 @@ impl Gcra {
 
     /// The nanoseconds `cost` tokens take to refill.
     pub fn increment(&self, cost: f64) -> u64 {
-        (cost * self.t).round().min(u64::MAX as f64 / 4.0) as u64
+        round_to_u64((cost * self.t).min(u64::MAX as f64 / 4.0))
     }
 
     /// Whether `cost` is more than the bucket can ever hold.
@@ -69,8 +69,24 @@ impl Gcra {
         if tokens <= 0.0 {
             0
         } else {
-            (tokens + WHOLE_TOKEN_EPSILON).floor() as u64
+            // Truncation is `floor` for a positive number, without a call into libm.
+            (tokens + WHOLE_TOKEN_EPSILON) as u64
         }
+    }
+}
+
+/// `x.round() as u64` (half away from zero; negative and NaN give 0) for `x` up to 2^63, without
+/// the call into libm that `round` is on the x86-64 baseline: the decisions round a few times per
+/// layer.
+#[inline]
+fn round_to_u64(x: f64) -> u64 {
+    let whole = x as u64;
+    // Exact: below 2^52 the fraction of a double is computed without error, and above it there is
+    // no fraction.
+    if x - whole as f64 >= 0.5 {
+        whole.saturating_add(1)
+    } else {
+        whole
     }
 }
 
@@ -235,6 +251,40 @@ impl AtomicBucket {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn rounding_without_libm_matches_round() {
+        let mut cases = vec![
+            0.0,
+            -0.0,
+            0.49999999999999994,
+            0.5,
+            1.5,
+            2.5,
+            -0.5,
+            -2.7,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            4_503_599_627_370_495.5,
+            4_503_599_627_370_497.0,
+            9.2e18,
+            u64::MAX as f64 / 4.0,
+            3e19,
+        ];
+        let mut x = 0.001f64;
+        while x < 1e19 {
+            cases.extend([x, x + 0.5, x * 1.37, (x * 7.0).trunc() + 0.5]);
+            x *= 1.9;
+        }
+        for x in cases {
+            assert_eq!(round_to_u64(x), x.round() as u64, "{x:e}");
+            let floored = (x + WHOLE_TOKEN_EPSILON) as u64;
+            if x > 0.0 {
+                assert_eq!(floored, (x + WHOLE_TOKEN_EPSILON).floor() as u64, "{x:e}");
+            }
+        }
+    }
+
     use super::*;
     use crate::clock::NS_PER_MS;
 
