@@ -223,7 +223,8 @@ struct Num(f64);
 
 impl Serialize for Num {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        if self.0.fract() == 0.0 && self.0.abs() < 9e15 {
+        // Whole (a comparison, not `fract`, which is a call into libm on the x86-64 baseline).
+        if self.0.abs() < 9e15 && self.0 == self.0 as i64 as f64 {
             s.serialize_i64(self.0 as i64)
         } else {
             s.serialize_f64(self.0)
@@ -331,6 +332,11 @@ fn sf_integer(n: u64) -> u64 {
     n.min(SF_INTEGER_MAX)
 }
 
+/// The whole part of a burst (bursts are positive: truncation is `floor`, without a call into libm).
+fn whole(burst: f64) -> u64 {
+    burst as u64
+}
+
 /// `RateLimit-Policy`: every bucket layer that applied, `"name";q=<burst>;w=<seconds to refill>`.
 pub fn policy_header(layers: &[LayerState]) -> String {
     let mut s = String::new();
@@ -341,7 +347,7 @@ pub fn policy_header(layers: &[LayerState]) -> String {
         s.push_str(&format!(
             "\"{}\";q={};w={}",
             l.name,
-            sf_integer(l.burst.floor() as u64),
+            sf_integer(whole(l.burst)),
             sf_integer(l.window_secs)
         ));
     }
@@ -368,7 +374,7 @@ fn cached_policy_header(layers: &[LayerState]) -> Option<HeaderValue> {
     let same = |shape: &Shape| {
         shape.len() == layers.len()
             && shape.iter().zip(layers).all(|((n, q, w), l)| {
-                *n == l.name && *q == l.burst.floor() as u64 && *w == l.window_secs
+                *n == l.name && *q == whole(l.burst) && *w == l.window_secs
             })
     };
     POLICIES.with(|cache| {
@@ -382,7 +388,7 @@ fn cached_policy_header(layers: &[LayerState]) -> Option<HeaderValue> {
         }
         let shape = layers
             .iter()
-            .map(|l| (l.name.clone(), l.burst.floor() as u64, l.window_secs))
+            .map(|l| (l.name.clone(), whole(l.burst), l.window_secs))
             .collect();
         cache.push((shape, v.clone()));
         Some(v)
