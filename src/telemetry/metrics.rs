@@ -101,7 +101,7 @@ pub struct MetricsActor {
     /// series without a registry lookup.
     decisions: RawIndex<DecisionSeries>,
     /// Per-batch scratch: each decision's hash and raw labels, and where it was found.
-    batch_keys: Vec<(u64, RawRef)>,
+    batch_keys: Vec<u64>,
     batch_found: Vec<Option<usize>>,
     admissions: Handles<AdmissionKey, Arc<AtomicU64>>,
     waits: Handles<(Arc<str>, Arc<str>), Arc<Histogram>>,
@@ -114,7 +114,7 @@ pub struct MetricsActor {
     /// The same counters by the labels as sent: the fast path, as for decisions.
     expiries_raw: RawIndex<Counter>,
     /// Scratch for [`MetricsActor::leases_expired`], kept to reuse its memory.
-    expiry_keys: Vec<(u64, RawRef)>,
+    expiry_keys: Vec<u64>,
     decision_hist: Arc<Histogram>,
     histograms: Arc<Histograms>,
     caps: LabelCap,
@@ -273,7 +273,7 @@ impl MetricsActor {
 
     /// The series a decision records into, through the label caps (the slow path: callers look in
     /// `decisions` first), remembered under the decision's raw labels: its entry in `decisions`.
-    fn decision_series(&mut self, d: &DecisionEvent, hash: u64, raw: &RawRef) -> usize {
+    fn decision_series(&mut self, d: &DecisionEvent, hash: u64, raw: &RawRef<'_>) -> usize {
         let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
         let labels = Labels {
             tenant,
@@ -320,17 +320,20 @@ impl MetricsActor {
         }
         let mut keys = std::mem::take(&mut self.expiry_keys);
         keys.clear();
-        for (subject, tool, upstream) in leases {
-            let raw = RawRef::call(tenant, subject, tool, upstream.as_deref());
-            let hash = self.expiries_raw.hash(&raw);
-            self.expiries_raw.prefetch_slot(hash);
-            keys.push((hash, raw));
+        fn raw<'a>(tenant: &'a str, (subject, tool, upstream): &'a ExpiredLease) -> RawRef<'a> {
+            RawRef::call(tenant, subject, tool, upstream.as_deref())
         }
-        for (hash, _) in &keys {
+        for lease in leases {
+            let hash = self.expiries_raw.hash(&raw(tenant, lease));
+            self.expiries_raw.prefetch_slot(hash);
+            keys.push(hash);
+        }
+        for hash in &keys {
             self.expiries_raw.prefetch_entry(*hash);
         }
-        for ((hash, raw), lease) in keys.iter().zip(leases) {
-            let entry = match self.expiries_raw.find(*hash, raw) {
+        for (hash, lease) in keys.iter().zip(leases) {
+            let raw = raw(tenant, lease);
+            let entry = match self.expiries_raw.find(*hash, &raw) {
                 Some(e) => e,
                 None => {
                     let c = self.lease_expiry_counter(tenant, lease);
@@ -386,7 +389,7 @@ impl MetricsActor {
         &mut self,
         d: &DecisionEvent,
         hash: u64,
-        raw: &RawRef,
+        raw: &RawRef<'_>,
         found: Option<usize>,
     ) {
         // Not found may be stale: the same labels may have come earlier in this batch.
@@ -566,19 +569,22 @@ impl MetricsActor {
         let mut found = std::mem::take(&mut self.batch_found);
         keys.clear();
         found.clear();
-        for ev in events {
-            if let Event::Decision(d) = ev {
-                let raw = RawRef::of(d);
-                let hash = self.decisions.hash(&raw);
-                self.decisions.prefetch_slot(hash);
-                keys.push((hash, raw));
-            }
+        let decisions = || {
+            events.iter().filter_map(|ev| match ev {
+                Event::Decision(d) => Some(d),
+                _ => None,
+            })
+        };
+        for d in decisions() {
+            let hash = self.decisions.hash(&RawRef::of(d));
+            self.decisions.prefetch_slot(hash);
+            keys.push(hash);
         }
-        for (hash, _) in &keys {
+        for hash in &keys {
             self.decisions.prefetch_entry(*hash);
         }
-        for (hash, raw) in &keys {
-            let f = self.decisions.find(*hash, raw);
+        for (hash, d) in keys.iter().zip(decisions()) {
+            let f = self.decisions.find(*hash, &RawRef::of(d));
             if let Some(e) = f {
                 self.decisions.get(e).prefetch();
             }
@@ -588,8 +594,7 @@ impl MetricsActor {
         for ev in events {
             match ev {
                 Event::Decision(d) => {
-                    let (hash, raw) = &keys[next];
-                    self.record_decision(d, *hash, raw, found[next]);
+                    self.record_decision(d, keys[next], &RawRef::of(d), found[next]);
                     next += 1;
                 }
                 other => self.record_other(other),

@@ -28,23 +28,36 @@ const RAW_INLINE: usize = 46;
 ///
 /// The four names are stored together (each followed by 0xff, a byte no UTF-8 string contains), so a
 /// lookup compares one run of bytes inside the entry rather than four separately allocated names.
-#[derive(PartialEq, Eq, Hash)]
+/// Keys are made only when an entry is added; lookups use a [`RawRef`], which borrows the names.
+#[derive(PartialEq, Eq)]
 pub struct RawKey {
     names: SmallVec<[u8; RAW_INLINE]>,
     kind: DecisionKind,
     scope: Option<Scope>,
 }
 
-/// A [`RawKey`] built on the stack from an event, to look it up. Hashes exactly as the key.
-#[derive(Hash)]
-pub struct RawRef {
-    names: SmallVec<[u8; 128]>,
+/// The labels of an event, borrowed from it, to look them up: nothing is copied until a key is
+/// added ([`RawRef::to_key`]).
+pub struct RawRef<'a> {
+    names: [&'a str; 4],
     kind: DecisionKind,
     scope: Option<Scope>,
 }
 
-impl RawRef {
-    pub fn of(d: &DecisionEvent) -> Self {
+impl Hash for RawRef<'_> {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        // Each name ends with 0xff, so "ab" + "c" and "a" + "bc" hash differently.
+        for name in self.names {
+            h.write(name.as_bytes());
+            h.write_u8(0xff);
+        }
+        self.kind.hash(h);
+        self.scope.hash(h);
+    }
+}
+
+impl<'a> RawRef<'a> {
+    pub fn of(d: &'a DecisionEvent) -> Self {
         RawRef {
             kind: d.kind,
             scope: d.scope,
@@ -54,29 +67,45 @@ impl RawRef {
 
     /// The labels of a call alone, with no outcome: for indexes of something other than decisions
     /// (which must not share an index with decisions, whose keys this one could equal).
-    pub fn call(tenant: &str, subject: &str, tool: &str, upstream: Option<&str>) -> Self {
-        let mut names = SmallVec::new();
-        for name in [tenant, subject, tool, upstream.unwrap_or("")] {
-            names.extend_from_slice(name.as_bytes());
-            names.push(0xff);
-        }
+    pub fn call(
+        tenant: &'a str,
+        subject: &'a str,
+        tool: &'a str,
+        upstream: Option<&'a str>,
+    ) -> Self {
         RawRef {
-            names,
+            names: [tenant, subject, tool, upstream.unwrap_or("")],
             kind: DecisionKind::Admitted,
             scope: None,
         }
     }
 
     pub fn to_key(&self) -> RawKey {
+        let mut names = SmallVec::with_capacity(self.names.iter().map(|n| n.len() + 1).sum());
+        for name in self.names {
+            names.extend_from_slice(name.as_bytes());
+            names.push(0xff);
+        }
         RawKey {
-            names: SmallVec::from_slice(&self.names),
+            names,
             kind: self.kind,
             scope: self.scope,
         }
     }
 
     fn matches(&self, k: &RawKey) -> bool {
-        self.kind == k.kind && self.scope == k.scope && self.names[..] == k.names[..]
+        if self.kind != k.kind || self.scope != k.scope {
+            return false;
+        }
+        let mut rest = &k.names[..];
+        for name in self.names {
+            let n = name.len();
+            if rest.len() <= n || rest[n] != 0xff || &rest[..n] != name.as_bytes() {
+                return false;
+            }
+            rest = &rest[n + 1..];
+        }
+        rest.is_empty()
     }
 }
 
@@ -128,7 +157,7 @@ impl<V> RawIndex<V> {
         self.entries = Vec::new();
     }
 
-    pub fn hash(&self, r: &RawRef) -> u64 {
+    pub fn hash(&self, r: &RawRef<'_>) -> u64 {
         self.hasher.hash_one(r)
     }
 
@@ -174,7 +203,7 @@ impl<V> RawIndex<V> {
     }
 
     /// Stage three: the entry number of `r`, whose hash is `hash`.
-    pub fn find(&self, hash: u64, r: &RawRef) -> Option<usize> {
+    pub fn find(&self, hash: u64, r: &RawRef<'_>) -> Option<usize> {
         self.probe(hash, |e| r.matches(&self.entries[e].1))
     }
 
@@ -243,9 +272,10 @@ mod tests {
     #[test]
     fn finds_what_was_inserted_and_nothing_else_across_growth() {
         let mut idx = RawIndex::default();
-        let keys: Vec<RawRef> = (0..5000)
-            .map(|i| RawRef::of(&event(&format!("t{}", i % 7), &format!("s{i}"), None)))
+        let events: Vec<DecisionEvent> = (0..5000)
+            .map(|i| event(&format!("t{}", i % 7), &format!("s{i}"), None))
             .collect();
+        let keys: Vec<RawRef> = events.iter().map(RawRef::of).collect();
         for (i, r) in keys.iter().enumerate() {
             let h = idx.hash(r);
             assert_eq!(idx.find(h, r), None);
@@ -258,7 +288,8 @@ mod tests {
             idx.prefetch_entry(h);
             assert_eq!(idx.find(h, r).map(|e| *idx.get(e)), Some(i));
         }
-        let absent = RawRef::of(&event("t1", "s1", Some("crm")));
+        let other = event("t1", "s1", Some("crm"));
+        let absent = RawRef::of(&other);
         assert_eq!(idx.find(idx.hash(&absent), &absent), None);
         idx.clear();
         assert_eq!(idx.len(), 0);
@@ -269,27 +300,42 @@ mod tests {
 
     #[test]
     fn names_cannot_run_into_each_other() {
-        // "ab" + "c" and "a" + "bc" are different keys.
-        let a = RawRef::of(&event("ab", "c", None));
-        let b = RawRef::of(&event("a", "bc", None));
+        // "ab" + "c" and "a" + "bc" are different keys, with different hashes.
+        let (ab_c, a_bc) = (event("ab", "c", None), event("a", "bc", None));
+        let (a, b) = (RawRef::of(&ab_c), RawRef::of(&a_bc));
         assert!(!a.matches(&b.to_key()));
-        let no_upstream = RawRef::of(&event("a", "b", None));
-        let empty_upstream = RawRef::of(&event("a", "b", Some("")));
+        assert!(!b.matches(&a.to_key()));
+        assert!(a.matches(&a.to_key()));
+        let idx = RawIndex::<()>::default();
+        assert_ne!(idx.hash(&a), idx.hash(&b));
+        // A key is told from one with a name more or less, and from another outcome.
+        let short = RawRef::call("ab", "c", "search", None);
+        assert!(a.matches(&short.to_key()));
+        assert!(!RawRef::call("ab", "c", "searc", None).matches(&a.to_key()));
+        assert!(!RawRef::call("ab", "c", "search", Some("u")).matches(&a.to_key()));
+        let mut shed = event("ab", "c", None);
+        shed.kind = DecisionKind::Shed;
+        assert!(!RawRef::of(&shed).matches(&a.to_key()));
+        let (none, empty) = (event("a", "b", None), event("a", "b", Some("")));
         // An empty upstream name is refused at the API, so the two may share a key.
-        assert!(no_upstream.matches(&empty_upstream.to_key()));
+        assert!(RawRef::of(&none).matches(&RawRef::of(&empty).to_key()));
     }
 
     #[test]
     fn equal_hashes_are_told_apart_by_the_key() {
         let mut idx = RawIndex::default();
-        let a = RawRef::of(&event("t", "alice", None));
-        let b = RawRef::of(&event("t", "bob", None));
+        let (alice, bob, carol) = (
+            event("t", "alice", None),
+            event("t", "bob", None),
+            event("t", "carol", None),
+        );
+        let (a, b) = (RawRef::of(&alice), RawRef::of(&bob));
         // Force a collision: both under the same hash.
         idx.insert(42, a.to_key(), "a");
         idx.insert(42, b.to_key(), "b");
         assert_eq!(idx.find(42, &a).map(|e| *idx.get(e)), Some("a"));
         assert_eq!(idx.find(42, &b).map(|e| *idx.get(e)), Some("b"));
-        let c = RawRef::of(&event("t", "carol", None));
+        let c = RawRef::of(&carol);
         assert_eq!(idx.find(42, &c), None);
     }
 }
