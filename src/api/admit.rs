@@ -337,19 +337,41 @@ fn whole(burst: f64) -> u64 {
     burst as u64
 }
 
+/// Appends a layer name as the inside of a structured-field string. A string may hold printable
+/// ASCII only, and an upstream's name (in `tenant_upstream:<name>`) may be any UTF-8 without control
+/// characters: bytes outside printable ASCII, and `"`, `\` and `%`, are written `%xx`.
+fn push_sf_name(out: &mut String, name: &str) {
+    let plain = |b: u8| (0x20..=0x7e).contains(&b) && !matches!(b, b'"' | b'\\' | b'%');
+    if name.bytes().all(plain) {
+        out.push_str(name);
+        return;
+    }
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for b in name.bytes() {
+        if plain(b) {
+            out.push(b as char);
+        } else {
+            out.push('%');
+            out.push(HEX[usize::from(b >> 4)] as char);
+            out.push(HEX[usize::from(b & 0xf)] as char);
+        }
+    }
+}
+
 /// `RateLimit-Policy`: every bucket layer that applied, `"name";q=<burst>;w=<seconds to refill>`.
 pub fn policy_header(layers: &[LayerState]) -> String {
     let mut s = String::new();
+    let mut n = itoa::Buffer::new();
     for (i, l) in layers.iter().enumerate() {
         if i > 0 {
             s.push_str(", ");
         }
-        s.push_str(&format!(
-            "\"{}\";q={};w={}",
-            l.name,
-            sf_integer(whole(l.burst)),
-            sf_integer(l.window_secs)
-        ));
+        s.push('"');
+        push_sf_name(&mut s, &l.name);
+        s.push_str("\";q=");
+        s.push_str(n.format(sf_integer(whole(l.burst))));
+        s.push_str(";w=");
+        s.push_str(n.format(sf_integer(l.window_secs)));
     }
     s
 }
@@ -373,9 +395,10 @@ fn cached_policy_header(layers: &[LayerState]) -> Option<HeaderValue> {
     }
     let same = |shape: &Shape| {
         shape.len() == layers.len()
-            && shape.iter().zip(layers).all(|((n, q, w), l)| {
-                *n == l.name && *q == whole(l.burst) && *w == l.window_secs
-            })
+            && shape
+                .iter()
+                .zip(layers)
+                .all(|((n, q, w), l)| *n == l.name && *q == whole(l.burst) && *w == l.window_secs)
     };
     POLICIES.with(|cache| {
         let mut cache = cache.borrow_mut();
@@ -400,7 +423,7 @@ pub fn ratelimit_header(l: &LayerState) -> String {
     let mut s = String::with_capacity(l.name.len() + 32);
     let mut n = itoa::Buffer::new();
     s.push('"');
-    s.push_str(&l.name);
+    push_sf_name(&mut s, &l.name);
     s.push_str("\";r=");
     s.push_str(n.format(sf_integer(l.remaining)));
     s.push_str(";t=");
@@ -564,6 +587,26 @@ mod tests {
             "\"subject\";q=20;w=10, \"tenant\";q=50;w=5"
         );
         assert_eq!(ratelimit_header(&layers[0]), "\"subject\";r=19;t=1");
+    }
+
+    #[test]
+    fn header_names_stay_within_structured_field_strings() {
+        let mut l = layer(Layer::TenantUpstream, 9.0, 2, 3, NS_PER_SEC);
+        l.name = "tenant_upstream:crm".into();
+        assert_eq!(
+            policy_header(&[l.clone()]),
+            "\"tenant_upstream:crm\";q=9;w=2"
+        );
+        l.name = "tenant_upstream:é \"x\"\\50%".into();
+        let policy = policy_header(&[l.clone()]);
+        assert_eq!(policy, "\"tenant_upstream:%c3%a9 %22x%22%5c50%25\";q=9;w=2");
+        assert_eq!(
+            ratelimit_header(&l),
+            "\"tenant_upstream:%c3%a9 %22x%22%5c50%25\";r=3;t=1"
+        );
+        // Printable ASCII only, and the one pair of quotes delimits the string.
+        assert!(policy.bytes().all(|b| (0x20..=0x7e).contains(&b)));
+        assert_eq!(policy.matches('"').count(), 2);
     }
 
     #[test]
