@@ -249,14 +249,15 @@ impl Telemetry {
 
     /// Hands over what the current thread collected.
     pub fn flush_this_thread() {
-        let taken = PENDING.with(|p| {
-            p.borrow_mut()
-                .as_mut()
-                .map(|p| (std::mem::take(&mut p.events), p.to.clone()))
+        PENDING.with(|p| {
+            if let Some(p) = p.borrow_mut().as_mut().filter(|p| !p.events.is_empty()) {
+                // Room for as many as this flush carries, so the next batch grows little if at all;
+                // sending reaches the sinks' mailboxes only, never this thread's batch.
+                let room = p.events.len().next_power_of_two().min(BATCH);
+                let events = std::mem::replace(&mut p.events, Vec::with_capacity(room));
+                p.to.send(events);
+            }
         });
-        if let Some((events, to)) = taken {
-            to.send(events);
-        }
     }
 
     fn send(&self, events: Vec<Event>) {
