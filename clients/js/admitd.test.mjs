@@ -4,7 +4,7 @@
 //   ADMITD_BIN=target/debug/admitd node --test clients/js/
 
 import { spawn } from "node:child_process";
-import { access, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { access, mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { constants } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -18,19 +18,7 @@ import { Admitd, AdmitdError, AdmitdUnavailable } from "./admitd.mjs";
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "..", "..");
 const BIN = process.env.ADMITD_BIN ?? join(ROOT, "target", "debug", "admitd");
 
-const CONFIG = `
-[limits.subject]
-rate = "1/s"
-burst = 2
-concurrency = 4
-
-[upstreams.warehouse]
-rate = "100/s"
-burst = 100
-
-[tools.get_sales]
-upstream = "warehouse"
-`;
+const CONFIG = await readFile(join(ROOT, "clients", "test.toml"), "utf8");
 
 const quiet = { warn() {}, info() {} };
 

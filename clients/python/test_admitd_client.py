@@ -17,22 +17,8 @@ from admitd_client import Admitd, AdmitdError, AdmitdUnavailable
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BIN = os.environ.get("ADMITD_BIN", os.path.join(ROOT, "target", "debug", "admitd"))
 
-CONFIG = """
-[server]
-max_wait = "2s"
-
-[limits.subject]
-rate = "1/s"
-burst = 2
-concurrency = 4
-
-[upstreams.warehouse]
-rate = "100/s"
-burst = 100
-
-[tools.get_sales]
-upstream = "warehouse"
-"""
+with open(os.path.join(ROOT, "clients", "test.toml")) as f:
+    CONFIG = f.read()
 
 
 class Daemon:
