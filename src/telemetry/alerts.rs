@@ -455,6 +455,7 @@ fn post_json(base: &str, path: &str, body: &str) -> Result<u16, String> {
 mod tests {
     use super::*;
     use crate::clock::{FakeClock, NS_PER_SEC};
+    use crate::telemetry::series_value as value;
 
     fn cfg() -> AlertsConfig {
         AlertsConfig {
@@ -566,12 +567,6 @@ mod tests {
             gauges: Default::default(),
             calls: CallCounts { admitted, shed },
         }))
-    }
-
-    /// The value of one line of the text format, by its exact series name.
-    fn value(text: &str, series: &str) -> Option<f64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
     }
 
     #[test]

@@ -622,6 +622,7 @@ mod tests {
     use super::*;
     use crate::clock::FakeClock;
     use crate::config::Config;
+    use crate::telemetry::series_value as value;
     use crate::telemetry::ReleaseEvent;
 
     fn decision(tenant: &str, subject: &str, kind: DecisionKind) -> Event {
@@ -642,12 +643,6 @@ mod tests {
             lease: None,
             start_unix_ns: 0,
         })
-    }
-
-    /// The value of one line of the text format, by its exact series name.
-    fn value(text: &str, series: &str) -> Option<f64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
     }
 
     #[test]

@@ -457,6 +457,13 @@ fn render(
     out
 }
 
+/// The value of one line of the Prometheus text format, by its exact series name (for tests).
+#[cfg(test)]
+pub(crate) fn series_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::names::{self, MetricKind, METRIC_HELP};
