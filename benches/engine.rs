@@ -94,7 +94,7 @@ fn engine(toml: &str) -> TenantEngine {
 fn request(subject: &str, tool: &str) -> AdmitRequest {
     AdmitRequest {
         subject: Arc::from(subject),
-        tool: Arc::from(tool),
+        tool: tool.into(),
         upstream: None,
         cost: None,
         max_wait_ns: MAX_WAIT_NS,

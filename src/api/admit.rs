@@ -112,7 +112,7 @@ pub async fn admit(
 
     let req = AdmitRequest {
         subject: Arc::from(&*b.subject),
-        tool: Arc::from(&*b.tool),
+        tool: compact_str::CompactString::from(&*b.tool),
         upstream: b.upstream.as_deref().map(Arc::from),
         cost: b.cost,
         max_wait_ns,

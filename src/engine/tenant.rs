@@ -52,7 +52,8 @@ const DEFAULT_HOLD_HINT_NS: u64 = NS_PER_SEC;
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdmitRequest {
     pub subject: Arc<str>,
-    pub tool: Arc<str>,
+    /// As sent (inline up to 24 bytes): the engine hands out its own shared copy of the name.
+    pub tool: CompactString,
     pub upstream: Option<Arc<str>>,
     pub cost: Option<f64>,
     /// The longest the caller may be held, already capped by the server's `max_wait`.
@@ -327,6 +328,9 @@ impl Policy {
 }
 
 /// The admission state of one tenant.
+/// Tool and upstream names a tenant keeps shared copies of, at most.
+const NAMES: usize = 1024;
+
 pub struct TenantEngine {
     tenant: Arc<str>,
     policy: Policy,
@@ -336,6 +340,9 @@ pub struct TenantEngine {
     subjects: hashbrown::HashMap<CompactString, SubjectState, foldhash::fast::RandomState>,
     tenant_bucket: Bucket,
     upstreams: HashMap<Arc<str>, UpstreamState>,
+    /// Shared copies of the tool and upstream names calls use ([`TenantEngine::intern`]), so a call
+    /// does not allocate its names (and free them on the telemetry thread, the last to drop them).
+    names: hashbrown::HashMap<CompactString, Arc<str>, foldhash::fast::RandomState>,
     inflight: u32,
     quota: QuotaCounter,
     leases: Leases<Lease>,
@@ -364,6 +371,7 @@ impl TenantEngine {
             subjects: hashbrown::HashMap::default(),
             tenant_bucket: Bucket::default(),
             upstreams: HashMap::default(),
+            names: hashbrown::HashMap::default(),
             inflight: 0,
             quota: QuotaCounter::default(),
             leases: Leases::new(rng.next_u64()),
@@ -427,8 +435,23 @@ impl TenantEngine {
     }
 
     /// Applies tool defaults: upstreams (the request's, else the tool's), then cost.
-    pub fn resolve(&self, req: &AdmitRequest) -> Resolved {
-        let tool = self.policy.cfg.tools.get(&*req.tool);
+    /// The shared copy of a tool or upstream name. The set is bounded: past [`NAMES`] names it
+    /// starts over (names still in use stay alive where they are used).
+    fn intern(&mut self, name: &str) -> Arc<str> {
+        if let Some(a) = self.names.get(name) {
+            return a.clone();
+        }
+        if self.names.len() >= NAMES {
+            self.names.clear();
+        }
+        let a: Arc<str> = Arc::from(name);
+        self.names.insert(CompactString::from(name), a.clone());
+        a
+    }
+
+    pub fn resolve(&mut self, req: &AdmitRequest) -> Resolved {
+        let cfg = Arc::clone(&self.policy.cfg);
+        let tool = cfg.tools.get(&*req.tool);
         let upstreams: Vec<(Arc<str>, f64)> = match &req.upstream {
             Some(u) => {
                 let units = tool
@@ -439,7 +462,7 @@ impl TenantEngine {
             None => tool.map_or_else(Vec::new, |t| {
                 t.upstreams
                     .iter()
-                    .map(|(n, x)| (Arc::from(n.as_str()), *x))
+                    .map(|(n, x)| (self.intern(n), *x))
                     .collect()
             }),
         };
@@ -457,7 +480,7 @@ impl TenantEngine {
             .unwrap_or(1.0);
         Resolved {
             subject: req.subject.clone(),
-            tool: req.tool.clone(),
+            tool: self.intern(&req.tool),
             upstream,
             upstreams,
             cost,

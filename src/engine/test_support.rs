@@ -20,7 +20,7 @@ pub const NOON: i64 = 1_792_584_000_000;
 pub fn call(subject: &str, tool: &str) -> AdmitRequest {
     AdmitRequest {
         subject: Arc::from(subject),
-        tool: Arc::from(tool),
+        tool: tool.into(),
         upstream: None,
         cost: None,
         max_wait_ns: 0,

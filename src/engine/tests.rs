@@ -1677,3 +1677,25 @@ fn window_rounds_up_and_tightest_ties_go_to_the_earlier_layer() {
         Some((Layer::Tenant, 8))
     );
 }
+
+#[test]
+fn calls_share_one_copy_of_each_tool_and_upstream_name() {
+    let rig = Rig::new(
+        "[upstreams.warehouse]\nrate = \"100/s\"\nburst = 100\n\n[tools.get_sales]\nupstream = \"warehouse\"\n",
+    );
+    let mut e = rig.engine("acme");
+    let a = rig.decide(&mut e, &call("bot", "get_sales"));
+    let b = rig.decide(&mut e, &call("other", "get_sales"));
+    assert_eq!(&*a.resolved.tool, "get_sales");
+    assert!(Arc::ptr_eq(&a.resolved.tool, &b.resolved.tool));
+    let (ua, ub) = (&a.resolved.upstreams[0].0, &b.resolved.upstreams[0].0);
+    assert_eq!(&**ua, "warehouse");
+    assert!(Arc::ptr_eq(ua, ub));
+    // Many distinct names: the set starts over rather than grow, and every call keeps its name.
+    for i in 0..3000 {
+        let d = rig.decide(&mut e, &call("bot", &format!("tool{i}")));
+        assert_eq!(*d.resolved.tool, *format!("tool{i}"));
+    }
+    let c = rig.decide(&mut e, &call("bot", "get_sales"));
+    assert_eq!(&*c.resolved.tool, "get_sales");
+}
