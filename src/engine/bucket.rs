@@ -251,6 +251,9 @@ impl AtomicBucket {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::clock::NS_PER_MS;
+
     #[test]
     fn rounding_without_libm_matches_round() {
         let mut cases = vec![
@@ -284,9 +287,6 @@ mod tests {
             }
         }
     }
-
-    use super::*;
-    use crate::clock::NS_PER_MS;
 
     fn g(per_sec: f64, burst: f64) -> Gcra {
         Gcra::new(BucketSpec::new(per_sec, burst))

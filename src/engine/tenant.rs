@@ -327,10 +327,10 @@ impl Policy {
     }
 }
 
-/// The admission state of one tenant.
 /// Tool and upstream names a tenant keeps shared copies of, at most.
 const NAMES: usize = 1024;
 
+/// The admission state of one tenant.
 pub struct TenantEngine {
     tenant: Arc<str>,
     policy: Policy,
@@ -434,7 +434,6 @@ impl TenantEngine {
         self.next_id
     }
 
-    /// Applies tool defaults: upstreams (the request's, else the tool's), then cost.
     /// The shared copy of a tool or upstream name. The set is bounded: past [`NAMES`] names it
     /// starts over (names still in use stay alive where they are used).
     fn intern(&mut self, name: &str) -> Arc<str> {
@@ -449,6 +448,7 @@ impl TenantEngine {
         a
     }
 
+    /// Applies tool defaults: upstreams (the request's, else the tool's), then cost.
     pub fn resolve(&mut self, req: &AdmitRequest) -> Resolved {
         let cfg = Arc::clone(&self.policy.cfg);
         let tool = cfg.tools.get(&*req.tool);
