@@ -93,7 +93,7 @@ fn engine(toml: &str) -> TenantEngine {
 
 fn request(subject: &str, tool: &str) -> AdmitRequest {
     AdmitRequest {
-        subject: Arc::from(subject),
+        subject: subject.into(),
         tool: tool.into(),
         upstream: None,
         cost: None,

@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 use warp::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use warp::reply::Response;
@@ -111,9 +112,9 @@ pub async fn admit(
     drop(cfg);
 
     let req = AdmitRequest {
-        subject: Arc::from(&*b.subject),
-        tool: compact_str::CompactString::from(&*b.tool),
-        upstream: b.upstream.as_deref().map(Arc::from),
+        subject: CompactString::from(&*b.subject),
+        tool: CompactString::from(&*b.tool),
+        upstream: b.upstream.as_deref().map(CompactString::from),
         cost: b.cost,
         max_wait_ns,
     };

@@ -51,10 +51,11 @@ const DEFAULT_HOLD_HINT_NS: u64 = NS_PER_SEC;
 /// A call asking to be admitted.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdmitRequest {
-    pub subject: Arc<str>,
-    /// As sent (inline up to 24 bytes): the engine hands out its own shared copy of the name.
+    /// Names as sent (inline up to 24 bytes): the engine hands out its own shared copies, the
+    /// subject's kept in the subject's state, tool and upstream names in the tenant's name set.
+    pub subject: CompactString,
     pub tool: CompactString,
-    pub upstream: Option<Arc<str>>,
+    pub upstream: Option<CompactString>,
     pub cost: Option<f64>,
     /// The longest the caller may be held, already capped by the server's `max_wait`.
     pub max_wait_ns: u64,
@@ -163,8 +164,10 @@ impl QuotaCounter {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct SubjectState {
+    /// The subject's name, shared with its calls (see [`TenantEngine::subject_name`]).
+    name: Arc<str>,
     bucket: Bucket,
     /// Per-tool buckets (only tools that configure a rate); few per subject, so a vector beats a map.
     tools: Vec<(Arc<str>, Bucket)>,
@@ -173,6 +176,16 @@ struct SubjectState {
 }
 
 impl SubjectState {
+    fn new(name: Arc<str>) -> Self {
+        SubjectState {
+            name,
+            bucket: Bucket::default(),
+            tools: Vec::new(),
+            inflight: 0,
+            quota: QuotaCounter::default(),
+        }
+    }
+
     fn tool_bucket(&mut self, tool: &Arc<str>) -> &mut Bucket {
         let i = match self.tools.iter().position(|(t, _)| t == tool) {
             Some(i) => i,
@@ -457,7 +470,7 @@ impl TenantEngine {
                 let units = tool
                     .and_then(|t| t.upstreams.iter().find(|(n, _)| **n == **u))
                     .map_or(1.0, |x| x.1);
-                vec![(u.clone(), units)]
+                vec![(self.intern(u), units)]
             }
             None => tool.map_or_else(Vec::new, |t| {
                 t.upstreams
@@ -479,7 +492,7 @@ impl TenantEngine {
             .or_else(|| tool.and_then(|t| t.cost))
             .unwrap_or(1.0);
         Resolved {
-            subject: req.subject.clone(),
+            subject: self.subject_name(&req.subject),
             tool: self.intern(&req.tool),
             upstream,
             upstreams,
@@ -751,7 +764,19 @@ impl TenantEngine {
 
     fn subject_mut(&mut self, subject: &Arc<str>) -> &mut SubjectState {
         // The owned key is made only when the subject is new.
-        self.subjects.entry_ref(&**subject).or_default()
+        self.subjects
+            .entry_ref(&**subject)
+            .or_insert_with(|| SubjectState::new(subject.clone()))
+    }
+
+    /// The shared copy of a subject's name, kept in its state: a subject's calls, leases and
+    /// telemetry events share one copy instead of one per call. A subject without state gets a new
+    /// copy, which becomes the state's if the call spends anything (a call refused before it spends
+    /// leaves no state behind).
+    fn subject_name(&self, subject: &str) -> Arc<str> {
+        self.subjects
+            .get(subject)
+            .map_or_else(|| Arc::from(subject), |s| s.name.clone())
     }
 
     fn upstream_mut(&mut self, name: &Arc<str>) -> &mut UpstreamState {

@@ -19,7 +19,7 @@ pub const NOON: i64 = 1_792_584_000_000;
 
 pub fn call(subject: &str, tool: &str) -> AdmitRequest {
     AdmitRequest {
-        subject: Arc::from(subject),
+        subject: subject.into(),
         tool: tool.into(),
         upstream: None,
         cost: None,
@@ -36,7 +36,7 @@ pub trait Req {
 
 impl Req for AdmitRequest {
     fn up(mut self, upstream: &str) -> Self {
-        self.upstream = Some(Arc::from(upstream));
+        self.upstream = Some(upstream.into());
         self
     }
     fn cost(mut self, cost: f64) -> Self {

@@ -1699,3 +1699,26 @@ fn calls_share_one_copy_of_each_tool_and_upstream_name() {
     let c = rig.decide(&mut e, &call("bot", "get_sales"));
     assert_eq!(&*c.resolved.tool, "get_sales");
 }
+
+#[test]
+fn a_subjects_calls_share_its_name_and_an_upstream_sent_with_the_call_is_shared_too() {
+    let rig = Rig::new("[upstreams.crm]\nrate = \"100/s\"\nburst = 100\n");
+    let mut e = rig.engine("acme");
+    let a = rig.decide(&mut e, &call("bot", "search").up("crm"));
+    let b = rig.decide(&mut e, &call("bot", "lookup").up("crm"));
+    assert_eq!(&*a.resolved.subject, "bot");
+    assert!(Arc::ptr_eq(&a.resolved.subject, &b.resolved.subject));
+    assert_eq!(a.resolved.upstream.as_deref(), Some("crm"));
+    assert!(Arc::ptr_eq(
+        a.resolved.upstream.as_ref().unwrap(),
+        b.resolved.upstream.as_ref().unwrap()
+    ));
+    // Another subject has its own name.
+    let c = rig.decide(&mut e, &call("other", "search"));
+    assert_eq!(&*c.resolved.subject, "other");
+    // A call refused before it spends leaves no subject state behind, so the tenant holds none.
+    let mut f = rig.engine("initech");
+    let d = rig.decide(&mut f, &call("bot", "search").cost(1e9));
+    assert_eq!(shed(&d).scope, Scope::Oversized);
+    assert_eq!(f.subject_count(), 0);
+}
