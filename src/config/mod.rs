@@ -484,6 +484,39 @@ pub fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The longest a bucket may take to refill from empty. A year is plenty for any rate limit (longer
+/// budgets are what `daily_quota` is for), and a bound keeps every bucket time, throttled by an
+/// upstream's `aimd_floor` or not, far inside the engine's 64-bit nanoseconds (584 years).
+pub const MAX_REFILL_YEARS: f64 = 50.0;
+const SECS_PER_YEAR: f64 = 365.25 * 86_400.0;
+
+/// A number for an error message: plain up to six decimals, else in exponent form (`1e-300`).
+fn short_num(x: f64) -> String {
+    if (1e-6..1e15).contains(&x) {
+        let s = format!("{x:.6}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        format!("{x:e}")
+    }
+}
+
+/// `years` for an error message: whole years, or "forever" past any sensible number.
+fn years_text(years: f64) -> String {
+    if years.is_finite() && years < 1e12 {
+        format!("{years:.0} years")
+    } else {
+        "practically forever".to_string()
+    }
+}
+
+/// Where a layer's bucket shape is set in the file: its burst, else its rate.
+fn layer_span(raw: &RawLayer) -> Option<std::ops::Range<usize>> {
+    raw.burst
+        .as_ref()
+        .map(|b| b.span())
+        .or(raw.rate.as_ref().map(|r| r.span()))
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     let end = offset.min(text.len());
     text.as_bytes()[..end]
@@ -736,7 +769,10 @@ impl Validator<'_> {
                     None => rate.per_sec.ceil().max(1.0),
                 };
                 let _ = span;
-                Ok(Some(BucketSpec { rate, burst }))
+                let spec = BucketSpec { rate, burst };
+                let at = b.as_ref().map_or(r.span(), |b| b.span());
+                self.refill_fits(section, at, spec, 1.0)?;
+                Ok(Some(spec))
             }
         }
     }
@@ -756,6 +792,36 @@ impl Validator<'_> {
             );
         }
         Ok(x)
+    }
+
+    /// Refuses a bucket that takes longer than [`MAX_REFILL_YEARS`] to refill from empty: `floor` is the
+    /// lowest share of its rate it may be throttled to (an upstream's `aimd_floor`, else 1). Such a
+    /// bucket would be a quota in disguise, and its times would not fit the engine's nanoseconds.
+    fn refill_fits(
+        &self,
+        section: &str,
+        at: std::ops::Range<usize>,
+        spec: BucketSpec,
+        floor: f64,
+    ) -> Result<(), ConfigError> {
+        let years = spec.burst / (spec.rate.per_sec * floor) / SECS_PER_YEAR;
+        if years.is_finite() && years <= MAX_REFILL_YEARS {
+            return Ok(());
+        }
+        let throttled = if floor < 1.0 {
+            format!(" when throttled to aimd_floor = {}", short_num(floor))
+        } else {
+            String::new()
+        };
+        self.err(
+            at,
+            format!(
+                "{section}: a full refill of {} tokens at {}/s takes {}{throttled}; the longest allowed is {MAX_REFILL_YEARS} years (raise the rate or lower the burst; for a budget per day, use daily_quota)",
+                short_num(spec.burst),
+                short_num(spec.rate.per_sec * floor),
+                years_text(years),
+            ),
+        )
     }
 
     fn upstream(
@@ -812,7 +878,7 @@ impl Validator<'_> {
                         );
                     }
                 }
-                out.bucket = self.optional_bucket(section, span, &u.rate, &u.burst)?;
+                out.bucket = self.optional_bucket(section, span.clone(), &u.rate, &u.burst)?;
             }
         }
         if let Some(v) = &u.aimd_factor {
@@ -820,6 +886,19 @@ impl Validator<'_> {
         }
         if let Some(v) = &u.aimd_floor {
             out.aimd.floor = self.fraction(&format!("{section}.aimd_floor"), v, 0.0, 1.0)?;
+        }
+        if let Some(spec) = out.bucket {
+            // Where the bucket's shape was set, or the floor that stretches it.
+            let shape = u
+                .burst
+                .as_ref()
+                .map(|b| b.span())
+                .or(u.rate.as_ref().map(|r| r.span()))
+                .or(u.published_limit.as_ref().map(|p| p.span()))
+                .unwrap_or(span.clone());
+            self.refill_fits(section, shape.clone(), spec, 1.0)?;
+            let at = u.aimd_floor.as_ref().map_or(shape, |f| f.span());
+            self.refill_fits(section, at, spec, out.aimd.floor)?;
         }
         if let Some(v) = &u.aimd_recover {
             out.aimd.recover = self.fraction(&format!("{section}.aimd_recover"), v, 0.0, 1.0)?;
@@ -927,6 +1006,9 @@ impl Validator<'_> {
                         }
                     }
                     *target = self.layer_override(name, &layer)?.apply(target);
+                    if let Some(at) = layer_span(&layer) {
+                        self.refill_fits(name, at, target.bucket, 1.0)?;
+                    }
                 }
             }
         }
@@ -953,6 +1035,15 @@ impl Validator<'_> {
                     None => LayerOverride::default(),
                 },
             };
+            for (layer, raw, over, base) in [
+                ("subject", &p.subject, &plan.subject, &cfg.limits.subject),
+                ("tenant", &p.tenant, &plan.tenant, &cfg.limits.tenant),
+            ] {
+                if let Some(at) = raw.as_ref().and_then(layer_span) {
+                    let section = format!("plans.{name}.{layer}");
+                    self.refill_fits(&section, at, over.apply(base).bucket, 1.0)?;
+                }
+            }
             cfg.plans.insert(key, plan);
         }
 
@@ -1244,6 +1335,44 @@ window = "5m"
 for = "1m"
 min_calls = 100
 "#;
+
+    #[test]
+    fn a_bucket_that_takes_longer_than_fifty_years_to_refill_is_refused_where_it_is_set() {
+        let e = err("[limits.subject]\nrate = \"1/day\"\nburst = 300000\n");
+        assert!(
+            e.starts_with("cfg.toml:3: limits.subject: a full refill of 300000 tokens")
+                && e.contains("takes 821 years; the longest allowed is 50 years"),
+            "{e}"
+        );
+        // A plan's rate applies to the base burst: the pair is what must fit.
+        let e = err("[limits.tenant]\nrate = \"100/s\"\nburst = 100000\n\n[plans.slow]\ntenant = { rate = \"1/day\" }\n");
+        assert!(
+            e.starts_with("cfg.toml:6: plans.slow.tenant: a full refill"),
+            "{e}"
+        );
+        let e = err("[tools.t]\nrate = \"1/h\"\nburst = 5000000\n");
+        assert!(e.starts_with("cfg.toml:3: tools.t: a full refill"), "{e}");
+        let e = err("[upstreams.u]\nrate = \"1/day\"\nburst = 20000\n");
+        assert!(
+            e.starts_with("cfg.toml:3: upstreams.u: a full refill"),
+            "{e}"
+        );
+        // An upstream's throttle floor stretches its refill too.
+        let e = err("[upstreams.u]\nrate = \"10/s\"\nburst = 10\naimd_floor = 1e-300\n");
+        assert!(
+            e.starts_with("cfg.toml:4: upstreams.u: a full refill")
+                && e.contains("when throttled to aimd_floor = 1e-300")
+                && e.contains("practically forever"),
+            "{e}"
+        );
+        // Slow buckets inside the bound are fine: ten years' worth of one a day.
+        let c = Config::parse(
+            "cfg.toml",
+            "[limits.subject]\nrate = \"1/day\"\nburst = 3650\n\n[upstreams.u]\nrate = \"1/day\"\nburst = 3650\naimd_floor = 0.5\n",
+        )
+        .unwrap();
+        assert_eq!(c.limits.subject.bucket.burst, 3650.0);
+    }
 
     #[test]
     fn the_contract_example_parses() {

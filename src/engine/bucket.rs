@@ -26,6 +26,10 @@ use crate::config::BucketSpec;
 /// to whole nanoseconds never shows 18.999… tokens as 18.
 const WHOLE_TOKEN_EPSILON: f64 = 1e-6;
 
+/// The longest full refill a bucket may have, in nanoseconds: about 73 years, so that `now + 2τ` and
+/// the promise horizon stay far inside u64 for centuries of uptime.
+pub const MAX_TAU: u64 = 1 << 61;
+
 /// A bucket's parameters in nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gcra {
@@ -39,11 +43,18 @@ pub struct Gcra {
 
 impl Gcra {
     pub fn new(spec: BucketSpec) -> Self {
-        let t = NS_PER_SEC as f64 / spec.rate.per_sec;
+        let mut t = NS_PER_SEC as f64 / spec.rate.per_sec;
+        // The config refuses buckets slower than this; a throttled rate can still approach zero. A
+        // slower refill would push `now + τ` past the end of the u64 scale, where the sums saturate
+        // and the bucket could no longer refuse anything.
+        let tau = t * spec.burst;
+        if tau.is_nan() || tau > MAX_TAU as f64 {
+            t = MAX_TAU as f64 / spec.burst;
+        }
         Gcra {
             t,
             burst: spec.burst,
-            tau: (t * spec.burst).round() as u64,
+            tau: round_to_u64(t * spec.burst),
         }
     }
 
@@ -354,6 +365,41 @@ mod tests {
                 wait: 200 * NS_PER_MS
             }
         );
+    }
+
+    #[test]
+    fn a_bucket_throttled_towards_no_rate_still_holds_only_its_burst() {
+        // A rate so slow that burst · T overflows the nanosecond scale: the refill is capped instead,
+        // and the bucket refuses past its burst as every bucket does.
+        for per_sec in [1.0 / 86_400.0 * 1e-6, 1e-300, f64::MIN_POSITIVE] {
+            let g = g(per_sec, 100_000.0);
+            assert_eq!(g.tau, MAX_TAU);
+            let mut b = Bucket::default();
+            let now = 5 * NS_PER_SEC;
+            assert_eq!(
+                b.take(&g, now, g.increment(60_000.0), 0),
+                Take::Ok { wait: 0 }
+            );
+            assert_eq!(b.remaining(&g, now), 40_000);
+            assert!(matches!(
+                b.take(&g, now, g.increment(45_000.0), 0),
+                Take::Short { .. }
+            ));
+            // (At this scale a nanosecond is below the precision of a token's time: take a little less.)
+            assert_eq!(
+                b.take(&g, now, g.increment(39_999.0), 0),
+                Take::Ok { wait: 0 }
+            );
+            assert!(matches!(
+                b.take(&g, now, g.increment(2.0), 0),
+                Take::Short { .. }
+            ));
+            // One token is left, and a token takes hours to come back.
+            assert_eq!(b.remaining(&g, now + 1_000 * NS_PER_SEC), 1);
+        }
+        // A slow bucket inside the bound keeps its exact refill.
+        let g = g(1.0 / 86_400.0, 3_650.0);
+        assert_eq!(g.tau, 3_650 * 86_400 * NS_PER_SEC);
     }
 
     #[test]
