@@ -149,6 +149,57 @@ fn metrics_cover_decisions_upstreams_leases_and_cap_subject_labels() {
 }
 
 #[test]
+fn the_first_subjects_to_call_keep_their_names_under_the_cap() {
+    // Calls one after another, each answered before the next: whichever worker thread answers
+    // which call, the subjects named are the first two to call, in every tenant.
+    let d = Daemon::start("[telemetry]\nmax_subjects_per_tenant = 2\n");
+    let tenants = 24;
+    for t in 0..tenants {
+        for s in 1..=4 {
+            let a = d.admit(call(&format!("card{t}"), &format!("s{s}"), "search"));
+            assert_eq!(a.status, 200);
+            d.release(a.body["lease_id"].as_str().unwrap());
+        }
+    }
+    let series = |t: usize, subject: &str| {
+        format!(
+            r#"admitd_admissions_total{{tenant="card{t}",subject="{subject}",tool="search",upstream="none",decision="admitted",scope="none"}}"#
+        )
+    };
+    let mut text = String::new();
+    assert!(
+        eventually(Duration::from_secs(2), || {
+            text = d.get("/metrics").body.as_str().unwrap().to_string();
+            // Every call counted: the last one of each tenant is its second __other__.
+            (0..tenants).all(|t| metric(&text, &series(t, "__other__")) == Some(2.0))
+        }),
+        "{text}"
+    );
+    for t in 0..tenants {
+        assert_eq!(
+            metric(&text, &series(t, "s1")),
+            Some(1.0),
+            "card{t}:\n{text}"
+        );
+        assert_eq!(
+            metric(&text, &series(t, "s2")),
+            Some(1.0),
+            "card{t}:\n{text}"
+        );
+        assert_eq!(
+            metric(&text, &series(t, "__other__")),
+            Some(2.0),
+            "card{t}:\n{text}"
+        );
+        let named = text
+            .lines()
+            .filter(|l| l.starts_with(&format!("admitd_admissions_total{{tenant=\"card{t}\",")))
+            .count();
+        assert_eq!(named, 3, "card{t}: s1, s2 and __other__ only:\n{text}");
+    }
+}
+
+#[test]
 fn total_series_stay_bounded_however_many_subjects_appear() {
     let d = Daemon::start(
         "[telemetry]\nmax_subjects_per_tenant = 5\n[limits.subject]\nconcurrency = 1000\n[limits.tenant]\nrate = \"10000/s\"\nburst = 10000\n",

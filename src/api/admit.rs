@@ -482,6 +482,7 @@ fn answer(
     let mut event = DecisionEvent {
         tenant: tenant.clone(),
         subject: d.resolved.subject.clone(),
+        subject_label: d.resolved.subject_label.clone(),
         tool: d.resolved.tool.clone(),
         upstream: d.resolved.upstream.clone(),
         cost: d.resolved.cost,

@@ -40,6 +40,7 @@ use super::shared::{SharedBudgets, SharedUpstream};
 use super::types::*;
 use crate::clock::{ceil_ms, ms_until_utc_midnight, utc_day, Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::{BucketSpec, Config, Mode, TenantLimits, UpstreamConfig};
+use crate::telemetry::labels::SubjectLabels;
 
 /// How long a tenant counts its calls to a shared upstream before reporting its demand. A second is
 /// long enough that a few calls bunched after a hold do not read as a loop.
@@ -166,8 +167,12 @@ impl QuotaCounter {
 
 #[derive(Debug)]
 struct SubjectState {
-    /// The subject's name, shared with its calls (see [`TenantEngine::subject_name`]).
+    /// The subject's name, shared with its calls (see [`TenantEngine::subject_names`]).
     name: Arc<str>,
+    /// Its metric label: the name, or `__other__` past the label caps, and the caps' generation
+    /// it was decided under.
+    label: Arc<str>,
+    label_gen: u64,
     bucket: Bucket,
     /// Per-tool buckets (only tools that configure a rate); few per subject, so a vector beats a map.
     tools: Vec<(Arc<str>, Bucket)>,
@@ -176,9 +181,11 @@ struct SubjectState {
 }
 
 impl SubjectState {
-    fn new(name: Arc<str>) -> Self {
+    fn new(name: Arc<str>, label: Arc<str>, label_gen: u64) -> Self {
         SubjectState {
             name,
+            label,
+            label_gen,
             bucket: Bucket::default(),
             tools: Vec::new(),
             inflight: 0,
@@ -356,6 +363,8 @@ pub struct TenantEngine {
     /// Shared copies of the tool and upstream names calls use ([`TenantEngine::intern`]), so a call
     /// does not allocate its names (and free them on the telemetry thread, the last to drop them).
     names: hashbrown::HashMap<CompactString, Arc<str>, foldhash::fast::RandomState>,
+    /// Decides subjects' metric labels ([`TenantEngine::subject_names`]).
+    labels: Option<Arc<SubjectLabels>>,
     inflight: u32,
     quota: QuotaCounter,
     leases: Leases<Lease>,
@@ -385,6 +394,7 @@ impl TenantEngine {
             tenant_bucket: Bucket::default(),
             upstreams: HashMap::default(),
             names: hashbrown::HashMap::default(),
+            labels: None,
             inflight: 0,
             quota: QuotaCounter::default(),
             leases: Leases::new(rng.next_u64()),
@@ -491,8 +501,10 @@ impl TenantEngine {
             .cost
             .or_else(|| tool.and_then(|t| t.cost))
             .unwrap_or(1.0);
+        let (subject, subject_label) = self.subject_names(&req.subject);
         Resolved {
-            subject: self.subject_name(&req.subject),
+            subject,
+            subject_label,
             tool: self.intern(&req.tool),
             upstream,
             upstreams,
@@ -572,12 +584,9 @@ impl TenantEngine {
         let tokens = r.cost * lp.units;
         let inc = lp.g.increment(tokens);
         match lp.layer {
-            Layer::Subject => self
-                .subject_mut(&r.subject)
-                .bucket
-                .take(&lp.g, now, inc, max_wait),
+            Layer::Subject => self.subject_mut(r).bucket.take(&lp.g, now, inc, max_wait),
             Layer::SubjectTool => self
-                .subject_mut(&r.subject)
+                .subject_mut(r)
                 .tool_bucket(&r.tool)
                 .take(&lp.g, now, inc, max_wait),
             Layer::Tenant => self.tenant_bucket.take(&lp.g, now, inc, max_wait),
@@ -618,11 +627,8 @@ impl TenantEngine {
         let tokens = r.cost * lp.units;
         let inc = lp.g.increment(tokens);
         match lp.layer {
-            Layer::Subject => self.subject_mut(&r.subject).bucket.refund(inc),
-            Layer::SubjectTool => self
-                .subject_mut(&r.subject)
-                .tool_bucket(&r.tool)
-                .refund(inc),
+            Layer::Subject => self.subject_mut(r).bucket.refund(inc),
+            Layer::SubjectTool => self.subject_mut(r).tool_bucket(&r.tool).refund(inc),
             Layer::Tenant => self.tenant_bucket.refund(inc),
             Layer::TenantUpstream => {
                 let name = lp.upstream.clone().unwrap_or_else(|| Arc::from(""));
@@ -644,9 +650,9 @@ impl TenantEngine {
         let tokens = r.cost * lp.units;
         let inc = lp.g.increment(tokens);
         match lp.layer {
-            Layer::Subject => self.subject_mut(&r.subject).bucket.promise(&lp.g, now, inc),
+            Layer::Subject => self.subject_mut(r).bucket.promise(&lp.g, now, inc),
             Layer::SubjectTool => self
-                .subject_mut(&r.subject)
+                .subject_mut(r)
                 .tool_bucket(&r.tool)
                 .promise(&lp.g, now, inc),
             Layer::Tenant => self.tenant_bucket.promise(&lp.g, now, inc),
@@ -762,21 +768,41 @@ impl TenantEngine {
             .collect()
     }
 
-    fn subject_mut(&mut self, subject: &Arc<str>) -> &mut SubjectState {
+    fn subject_mut(&mut self, r: &Resolved) -> &mut SubjectState {
         // The owned key is made only when the subject is new.
-        self.subjects
-            .entry_ref(&**subject)
-            .or_insert_with(|| SubjectState::new(subject.clone()))
+        let label_gen = self.labels.as_ref().map_or(0, |l| l.generation());
+        self.subjects.entry_ref(&*r.subject).or_insert_with(|| {
+            SubjectState::new(r.subject.clone(), r.subject_label.clone(), label_gen)
+        })
     }
 
-    /// The shared copy of a subject's name, kept in its state: a subject's calls, leases and
-    /// telemetry events share one copy instead of one per call. A subject without state gets a new
-    /// copy, which becomes the state's if the call spends anything (a call refused before it spends
-    /// leaves no state behind).
-    fn subject_name(&self, subject: &str) -> Arc<str> {
-        self.subjects
-            .get(subject)
-            .map_or_else(|| Arc::from(subject), |s| s.name.clone())
+    /// The shared copy of a subject's name and its metric label, kept in its state: a subject's
+    /// calls, leases and telemetry events share one copy instead of one per call. A subject without
+    /// state gets a new copy and a label decided now, which become the state's if the call spends
+    /// anything (a call refused before it spends leaves no state behind). Labels are decided in the
+    /// order calls reach this tenant, so the first subjects to call are the ones named.
+    fn subject_names(&mut self, subject: &str) -> (Arc<str>, Arc<str>) {
+        if let Some(s) = self.subjects.get_mut(subject) {
+            if let Some(l) = &self.labels {
+                // Folded under caps that have changed since: there may be room now.
+                if l.is_other(&s.label) && s.label_gen != l.generation() {
+                    s.label_gen = l.generation();
+                    s.label = l.label(&self.tenant, &s.name);
+                }
+            }
+            return (s.name.clone(), s.label.clone());
+        }
+        let name: Arc<str> = Arc::from(subject);
+        let label = match &self.labels {
+            Some(l) => l.label(&self.tenant, &name),
+            None => name.clone(),
+        };
+        (name, label)
+    }
+
+    /// Where subjects get their metric labels (none: every subject is labelled by its name).
+    pub fn set_subject_labels(&mut self, labels: Option<Arc<SubjectLabels>>) {
+        self.labels = labels;
     }
 
     fn upstream_mut(&mut self, name: &Arc<str>) -> &mut UpstreamState {
@@ -802,7 +828,7 @@ impl TenantEngine {
         if let Some(shed) = self.adaptive(&r, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
-        if self.take_slots_if_free(&r.subject) {
+        if self.take_slots_if_free(&r) {
             return AdmitResult::Decided(self.after_slots(
                 r,
                 &plan,
@@ -1075,12 +1101,12 @@ impl TenantEngine {
     }
 
     /// [`Self::slots_free`] and [`Self::take_slots`] with one lookup of the subject.
-    fn take_slots_if_free(&mut self, subject: &Arc<str>) -> bool {
+    fn take_slots_if_free(&mut self, r: &Resolved) -> bool {
         if !self.tenant_slot_free() {
             return false;
         }
         let cap = self.policy.limits.subject.concurrency;
-        let s = self.subject_mut(subject);
+        let s = self.subject_mut(r);
         if cap.is_some_and(|c| s.inflight >= c) {
             return false;
         }
@@ -1089,8 +1115,8 @@ impl TenantEngine {
         true
     }
 
-    fn take_slots(&mut self, subject: &Arc<str>) {
-        self.subject_mut(subject).inflight += 1;
+    fn take_slots(&mut self, r: &Resolved) {
+        self.subject_mut(r).inflight += 1;
         self.inflight += 1;
     }
 
@@ -1164,7 +1190,7 @@ impl TenantEngine {
             ..Charge::default()
         };
         if subject_quota.is_some() {
-            self.subject_mut(&r.subject).quota.add(day, r.cost);
+            self.subject_mut(&r).quota.add(day, r.cost);
             charge.quota_subject = true;
         }
         if tenant_quota.is_some() {
@@ -1241,7 +1267,7 @@ impl TenantEngine {
             }
         }
         if charge.quota_subject {
-            self.subject_mut(&r.subject)
+            self.subject_mut(&r)
                 .quota
                 .refund(charge.quota_day, charge.cost);
         }
@@ -1577,7 +1603,7 @@ impl TenantEngine {
                 out.push((w.id, d));
                 continue;
             }
-            self.take_slots(&w.resolved.subject);
+            self.take_slots(&w.resolved);
             let d = self.after_slots(
                 w.resolved,
                 &plan,
@@ -1635,7 +1661,11 @@ impl TenantEngine {
                 if let Some(l) = self.leases.remove(id) {
                     if l.slots {
                         self.free_slots(&l.resolved.subject);
-                        expired.push((l.resolved.subject, l.resolved.tool, l.resolved.upstream));
+                        expired.push((
+                            l.resolved.subject_label,
+                            l.resolved.tool,
+                            l.resolved.upstream,
+                        ));
                     }
                 }
             }

@@ -1722,3 +1722,35 @@ fn a_subjects_calls_share_its_name_and_an_upstream_sent_with_the_call_is_shared_
     assert_eq!(shed(&d).scope, Scope::Oversized);
     assert_eq!(f.subject_count(), 0);
 }
+
+#[test]
+fn subjects_are_labelled_in_the_order_they_call_and_a_raised_cap_names_folded_ones() {
+    use crate::telemetry::labels::SubjectLabels;
+    let rig = Rig::new("");
+    let labels = Arc::new(SubjectLabels::new(2, 1_000));
+    let mut e = rig.engine("acme");
+    e.set_subject_labels(Some(labels.clone()));
+    let label = |e: &mut TenantEngine, s: &str| {
+        let d = rig.decide(e, &call(s, "search"));
+        d.resolved.subject_label.to_string()
+    };
+    assert_eq!(label(&mut e, "s1"), "s1");
+    assert_eq!(label(&mut e, "s2"), "s2");
+    assert_eq!(label(&mut e, "s3"), "__other__");
+    assert_eq!(label(&mut e, "s1"), "s1");
+    assert_eq!(label(&mut e, "s4"), "__other__");
+    // A later actor of the same tenant (the first went idle and stopped) sees the same names.
+    let mut again = rig.engine("acme");
+    again.set_subject_labels(Some(labels.clone()));
+    assert_eq!(label(&mut again, "s5"), "__other__");
+    assert_eq!(label(&mut again, "s2"), "s2");
+    // A reload with room for one more: s3, folded while its state lives, is named at its next call.
+    labels.set_caps(3, 1_000);
+    assert_eq!(label(&mut e, "s3"), "s3");
+    assert_eq!(label(&mut e, "s4"), "__other__");
+    // Without labels (metrics off) every subject is its own label.
+    let mut off = rig.engine("initech");
+    for i in 0..5 {
+        assert_eq!(label(&mut off, &format!("x{i}")), format!("x{i}"));
+    }
+}

@@ -97,6 +97,8 @@ pub struct LayerState {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resolved {
     pub subject: Arc<str>,
+    /// The subject's metric label: its name, or `__other__` past the label caps.
+    pub subject_label: Arc<str>,
     pub tool: Arc<str>,
     /// The primary upstream (the one the call spends most of), for metrics and messages.
     pub upstream: Option<Arc<str>>,

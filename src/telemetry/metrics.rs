@@ -176,7 +176,7 @@ impl MetricsActor {
             expiry_keys: Vec::new(),
             decision_hist: histograms.decision.series(&[]),
             histograms,
-            caps: LabelCap::new(cfg.max_subjects_per_tenant, cfg.max_subjects_total),
+            caps: LabelCap::default(),
             none: Arc::from(NO_UPSTREAM),
             clock,
             throttle: Throttle::new(cfg.refusal_log_per_sec),
@@ -274,7 +274,7 @@ impl MetricsActor {
     /// The series a decision records into, through the label caps (the slow path: callers look in
     /// `decisions` first), remembered under the decision's raw labels: its entry in `decisions`.
     fn decision_series(&mut self, d: &DecisionEvent, hash: u64, raw: &RawRef<'_>) -> usize {
-        let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject, &d.tool);
+        let (tenant, subject, tool) = self.caps.call(&d.tenant, &d.subject_label, &d.tool);
         let labels = Labels {
             tenant,
             subject,
@@ -523,11 +523,8 @@ impl MetricsActor {
     }
 
     fn reconfigure(&mut self, cfg: &TelemetryConfig) {
-        self.caps
-            .set_max_subjects(cfg.max_subjects_per_tenant, cfg.max_subjects_total);
-        // Names folded into `__other__` under the old caps may have room now.
-        self.decisions.clear();
-        self.expiries_raw.clear();
+        // The subject label caps are the tenant actors' (`SubjectLabels`): events come with their
+        // subject's label decided, and the indexes are keyed by it.
         self.throttle = Throttle::new(cfg.refusal_log_per_sec);
     }
 
@@ -626,9 +623,15 @@ mod tests {
     use crate::telemetry::ReleaseEvent;
 
     fn decision(tenant: &str, subject: &str, kind: DecisionKind) -> Event {
+        labelled(tenant, subject, subject, kind)
+    }
+
+    /// A decision whose subject the tenant actor labelled `label`.
+    fn labelled(tenant: &str, subject: &str, label: &str, kind: DecisionKind) -> Event {
         Event::Decision(DecisionEvent {
             tenant: Arc::from(tenant),
             subject: Arc::from(subject),
+            subject_label: Arc::from(label),
             tool: Arc::from("search"),
             upstream: None,
             cost: 1.0,
@@ -646,27 +649,26 @@ mod tests {
     }
 
     #[test]
-    fn decisions_count_into_their_capped_series_and_a_reload_with_room_names_new_subjects() {
+    fn decisions_count_into_the_series_of_their_labels() {
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         let histograms = Arc::new(Histograms::default());
-        let mut cfg = Config::default().telemetry;
-        cfg.max_subjects_per_tenant = 1;
+        let cfg = Config::default().telemetry;
         metrics::with_local_recorder(&recorder, || {
             let clock = Arc::new(FakeClock::new(0));
             let mut m = MetricsActor::new(&cfg, clock, histograms.clone());
-            // One batch, with labels new to the index coming twice in it.
+            // One batch, with labels new to the index coming twice in it; bob came past a cap of
+            // one subject.
             m.record_batch(&[
                 decision("acme", "alice", DecisionKind::Admitted),
                 decision("acme", "alice", DecisionKind::Admitted),
-                decision("acme", "bob", DecisionKind::Admitted),
+                labelled("acme", "bob", "__other__", DecisionKind::Admitted),
                 decision("acme", "alice", DecisionKind::Shed),
             ]);
             assert_eq!(m.decisions.len(), 3, "one entry per distinct raw labels");
             m.record_batch(&[decision("acme", "alice", DecisionKind::Admitted)]);
             assert_eq!(m.decisions.len(), 3);
-            cfg.max_subjects_per_tenant = 2;
-            m.reconfigure(&cfg);
+            // ... and got his name when a reload raised the cap.
             m.record_batch(&[decision("acme", "bob", DecisionKind::Admitted)]);
         });
         let mut text = handle.render();
@@ -753,11 +755,11 @@ mod tests {
     }
 
     #[test]
-    fn expired_leases_count_by_their_capped_labels_however_many_come_in_one_event() {
+    fn expired_leases_count_by_their_labels_however_many_come_in_one_event() {
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
-        let mut cfg = Config::default().telemetry;
-        cfg.max_subjects_per_tenant = 1;
+        let cfg = Config::default().telemetry;
+        // Leases carry their subject's label as the tenant actor decided it.
         let expired = |leases: &[(&str, Option<&str>)]| {
             Event::Tenant(Arc::new(TenantEvent::LeasesExpired {
                 tenant: Arc::from("acme"),
@@ -771,12 +773,9 @@ mod tests {
             let clock = Arc::new(FakeClock::new(0));
             let mut m = MetricsActor::new(&cfg, clock, Arc::new(Histograms::default()));
             m.record_batch(&[
-                expired(&[("alice", None), ("alice", None), ("bob", Some("crm"))]),
+                expired(&[("alice", None), ("alice", None), ("__other__", Some("crm"))]),
                 expired(&[("alice", None)]),
             ]);
-            // A reload with room for bob: his next expiry gets its own series.
-            cfg.max_subjects_per_tenant = 2;
-            m.reconfigure(&cfg);
             m.record_batch(&[expired(&[("bob", Some("crm"))])]);
         });
         let text = handle.render();

@@ -77,6 +77,8 @@ impl DecisionKind {
 pub struct DecisionEvent {
     pub tenant: Arc<str>,
     pub subject: Arc<str>,
+    /// The subject's metric label, decided by the tenant actor (see [`labels::SubjectLabels`]).
+    pub subject_label: Arc<str>,
     pub tool: Arc<str>,
     pub upstream: Option<Arc<str>>,
     pub cost: f64,
@@ -136,13 +138,13 @@ pub struct CallCounts {
     pub shed: u64,
 }
 
-/// The labels of an expired lease's call: (subject, tool, upstream).
+/// The labels of an expired lease's call: (subject label, tool, upstream).
 pub type ExpiredLease = (Arc<str>, Arc<str>, Option<Arc<str>>);
 
 /// State changes and samples from the actors.
 #[derive(Debug, Clone)]
 pub enum TenantEvent {
-    /// The leases that expired at one tick of a tenant actor, as (subject, tool, upstream): one
+    /// The leases that expired at one tick of a tenant actor, as (subject label, tool, upstream): one
     /// event per tick rather than per lease, since a server that stops releasing expires every one.
     LeasesExpired {
         tenant: Arc<str>,
@@ -213,6 +215,8 @@ pub struct Telemetry {
     dropped: Arc<AtomicU64>,
     metrics: Option<Addr<metrics::MetricsActor>>,
     alerts: Option<Addr<alerts::AlertActor>>,
+    /// Decides subjects' metric labels; the tenant actors ask it (none when metrics are off).
+    labels: Option<Arc<labels::SubjectLabels>>,
     traces: bool,
 }
 
@@ -328,8 +332,19 @@ impl Telemetry {
         self.dropped.load(Ordering::Relaxed)
     }
 
+    /// Where the tenant actors get their subjects' metric labels.
+    pub fn subject_labels(&self) -> Option<Arc<labels::SubjectLabels>> {
+        self.labels.clone()
+    }
+
     /// Applies the reloadable telemetry and alert settings.
     pub fn reconfigure(&self, cfg: &Config) {
+        if let Some(l) = &self.labels {
+            l.set_caps(
+                cfg.telemetry.max_subjects_per_tenant,
+                cfg.telemetry.max_subjects_total,
+            );
+        }
         if let Some(m) = &self.metrics {
             m.do_send(metrics::SetTelemetry(cfg.telemetry.clone()));
         }
@@ -425,6 +440,10 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         dropped: Arc::new(AtomicU64::new(0)),
         metrics: Some(metrics_addr),
         alerts: Some(alerts_addr),
+        labels: Some(Arc::new(labels::SubjectLabels::new(
+            cfg.telemetry.max_subjects_per_tenant,
+            cfg.telemetry.max_subjects_total,
+        ))),
         traces: span_exporter.is_some(),
     };
     let dropped = telemetry.dropped.clone();

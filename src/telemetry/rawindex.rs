@@ -61,7 +61,7 @@ impl<'a> RawRef<'a> {
         RawRef {
             kind: d.kind,
             scope: d.scope,
-            ..RawRef::call(&d.tenant, &d.subject, &d.tool, d.upstream.as_deref())
+            ..RawRef::call(&d.tenant, &d.subject_label, &d.tool, d.upstream.as_deref())
         }
     }
 
@@ -253,6 +253,7 @@ mod tests {
         DecisionEvent {
             tenant: Arc::from(tenant),
             subject: Arc::from(subject),
+            subject_label: Arc::from(subject),
             tool: Arc::from("search"),
             upstream: upstream.map(Arc::from),
             cost: 1.0,

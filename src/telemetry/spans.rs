@@ -1036,6 +1036,7 @@ mod tests {
         DecisionEvent {
             tenant: Arc::from(tenant),
             subject: Arc::from("agent-7"),
+            subject_label: Arc::from("agent-7"),
             tool: Arc::from("search"),
             upstream: Some(Arc::from("warehouse")),
             cost: 2.0,
