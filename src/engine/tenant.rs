@@ -770,8 +770,9 @@ impl TenantEngine {
 
     fn subject_mut(&mut self, r: &Resolved) -> &mut SubjectState {
         // The owned key is made only when the subject is new.
-        let label_gen = self.labels.as_ref().map_or(0, |l| l.generation());
+        let labels = &self.labels;
         self.subjects.entry_ref(&*r.subject).or_insert_with(|| {
+            let label_gen = labels.as_ref().map_or(0, |l| l.generation());
             SubjectState::new(r.subject.clone(), r.subject_label.clone(), label_gen)
         })
     }
