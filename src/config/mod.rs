@@ -896,7 +896,10 @@ impl Validator<'_> {
                 .or(u.rate.as_ref().map(|r| r.span()))
                 .or(u.published_limit.as_ref().map(|p| p.span()))
                 .unwrap_or(span.clone());
-            self.refill_fits(section, shape.clone(), spec, 1.0)?;
+            if u.published_limit.is_some() {
+                // A bucket from rate and burst was checked where it was read.
+                self.refill_fits(section, shape.clone(), spec, 1.0)?;
+            }
             let at = u.aimd_floor.as_ref().map_or(shape, |f| f.span());
             self.refill_fits(section, at, spec, out.aimd.floor)?;
         }
@@ -1355,6 +1358,12 @@ min_calls = 100
         let e = err("[upstreams.u]\nrate = \"1/day\"\nburst = 20000\n");
         assert!(
             e.starts_with("cfg.toml:3: upstreams.u: a full refill"),
+            "{e}"
+        );
+        // A rate derived from published_limit (here 70% of 1/day) is held to the same bound.
+        let e = err("[upstreams.u]\npublished_limit = \"1/day\"\nburst = 20000\n");
+        assert!(
+            e.starts_with("cfg.toml:3: upstreams.u: a full refill") && e.contains("78 years"),
             "{e}"
         );
         // An upstream's throttle floor stretches its refill too.
