@@ -9,7 +9,8 @@
 #   DURATION=5 scripts/bench.sh   # shorter runs
 #
 # Environment (defaults in brackets): DURATION [10] and WARMUP [2] seconds per run; OPEN_RATE [20000]
-# requests/s for the open-loop runs, OPEN_ROUNDS [3] alternating rounds of them; SERVER_CPU [0] and
+# requests/s for the open-loop runs, OPEN_ROUNDS [3] alternating rounds of them; CLOSED_ROUNDS [3]
+# alternating rounds of the closed-loop pairs (read by their medians); SERVER_CPU [0] and
 # CLIENT_CPU [1] cores; PORT [19470],
 # FLOOR_PORT [19471], RSS_PORT [19472]; OUT [target/bench] for results; SKIP_BUILD=1 to use what is
 # built; SKIP_RSS=1 to skip the memory measurement; TELEMETRY_ROUNDS [3] rounds of telemetry off / on /
@@ -37,6 +38,7 @@ COLLECTOR_PORT=${COLLECTOR_PORT:-19473}
 SAMPLE_RATIO=${SAMPLE_RATIO:-0.1}
 TELEMETRY_ROUNDS=${TELEMETRY_ROUNDS:-3}
 OPEN_ROUNDS=${OPEN_ROUNDS:-3}
+CLOSED_ROUNDS=${CLOSED_ROUNDS:-3}
 OUT=${OUT:-target/bench}
 CLK_TCK=$(getconf CLK_TCK 2>/dev/null || echo 100)
 
@@ -194,9 +196,13 @@ pair() { # pair NAME [loadgen args...]: the same load on the floor, then on admi
         load "admitd $name" "$PORT" "$admitd_pid" "$@"
     fi
 }
-pair "closed c=8" --connections 8
-pair "closed c=64" --connections 64
-pair "admit-release c=64" --connections 64 --mode admit-release
+# On a shared host a single pair can be off by 20-40% either way (other guests take the CPU: see the
+# steal column), so the closed-loop pairs alternate CLOSED_ROUNDS times and are read by their median.
+for round in $(seq "$CLOSED_ROUNDS"); do
+    pair "closed c=8 #$round" --connections 8
+    pair "closed c=64 #$round" --connections 64
+    pair "admit-release c=64 #$round" --connections 64 --mode admit-release
+done
 # The open-loop tail is set by stalls of the host as much as by the server: alternate OPEN_ROUNDS times
 # and read the median.
 for round in $(seq "$OPEN_ROUNDS"); do
@@ -299,17 +305,28 @@ fi
 {
     echo "machine: $(nproc) cores, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1); server on core $SERVER_CPU, load generator on core $CLIENT_CPU; ${DURATION} s per run after ${WARMUP} s warm-up"
     echo
-    echo "| run | req/s | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | server CPU µs/req | server CPU % | 2xx | 429 | other | errors |"
-    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-    jq -r 'select(.label != "rss") | "| \(.label) | \(.rps) | \(.latency.p50_us) | \(.latency.p90_us) | \(.latency.p99_us) | \(.latency.p999_us) | \(.latency.max_us) | \(.server_cpu_us_per_req // "-") | \(.server_cpu_pct // "-") | \(.ok_2xx) | \(.shed_429) | \(.other_status) | \(.errors) |"' "$OUT/results.jsonl"
+    echo "| run | req/s | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | server CPU µs/req | server CPU % | steal ms | 2xx | 429 | other | errors |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    jq -r 'select(.label != "rss") | "| \(.label) | \(.rps) | \(.latency.p50_us) | \(.latency.p90_us) | \(.latency.p99_us) | \(.latency.p999_us) | \(.latency.max_us) | \(.server_cpu_us_per_req // "-") | \(.server_cpu_pct // "-") | \(.steal_ms // "-") | \(.ok_2xx) | \(.shed_429) | \(.other_status) | \(.errors) |"' "$OUT/results.jsonl"
+    echo
+    echo "steal ms: CPU time the host took from this machine during the run (both cores); a run with much of it measured the host, not the server."
     echo
     if ((have_admitd)); then
+        # Medians over the rounds, each side on its own: throughput ratio, CPU-per-request ratio, and
+        # admitd's p99.
         jq -rs '
-            def rps(l): (map(select(.label == l)) | first | .rps) // null;
+            def med(s): [.[] | select(.label | startswith(s + " #")) | select(. != null)] as $r
+                | {n: ($r | length),
+                   rps: ($r | map(.rps) | sort | .[length / 2 | floor]),
+                   cpu: ($r | map(.server_cpu_us_per_req) | map(select(. != null)) | sort | .[length / 2 | floor]),
+                   p99: ($r | map(.latency.p99_us) | sort | .[length / 2 | floor])};
             ["closed c=8", "closed c=64", "admit-release c=64"][] as $k
-            | (rps("admitd " + $k)) as $a | (rps("floor " + $k)) as $f
-            | select($a != null and $f != null and $f > 0)
-            | "admitd / floor throughput, \($k): \(($a / $f * 100 | round) / 100)"' "$OUT/results.jsonl"
+            | med("admitd " + $k) as $a | med("floor " + $k) as $f
+            | select($a.n > 0 and $f.n > 0 and $f.rps > 0)
+            | "\($k), medians of \($a.n) rounds: admitd / floor throughput \(($a.rps / $f.rps * 100 | round) / 100)"
+              + (if $a.cpu != null and $f.cpu != null and $f.cpu > 0
+                 then ", CPU per request \($a.cpu) / \($f.cpu) us = \(($a.cpu / $f.cpu * 100 | round) / 100) x" else "" end)
+              + ", p99 \($a.p99) us (the floor \($f.p99) us)"' "$OUT/results.jsonl"
     else
         echo "admitd / floor throughput: TBD (admitd not measured)"
     fi
