@@ -80,28 +80,10 @@ ADMITD=target/release/admitd
 
 # ---- configs --------------------------------------------------------------------------------------
 
-# Tenant and global limits so generous that they never shed, shared by every config below.
-generous_tenant_and_global='[limits.tenant]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.global]
-rate = "10000000/s"
-burst = 10000000'
-
 # Limits so generous that nothing is shed: the runs measure the cost of deciding, not of refusing.
-cat >"$work/throughput.toml" <<EOF
-[server]
-lease_ttl = "10s"
-
-[limits.subject]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-$generous_tenant_and_global
-EOF
+cp benches/throughput.toml "$work/throughput.toml"
+# Its tenant and global limits, shared by the memory config below.
+generous_tenant_and_global=$(sed -n '/^\[limits.tenant\]/,$p' benches/throughput.toml)
 
 # The same limits with telemetry off, and with spans exported towards a port where nothing listens
 # (a collector that is down must not slow admissions).

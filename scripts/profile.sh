@@ -7,7 +7,7 @@
 #   scripts/profile.sh spread --tenants 1000 --subjects 100
 #   scripts/phases.py target/profile/one.txt CPU1 target/profile/spread.txt CPU2   # side by side
 #
-# Environment: CONFIG [the benchmark's generous limits], SERVER=floor to profile the floor instead,
+# Environment: CONFIG [benches/throughput.toml, the benchmark's generous limits], SERVER=floor to profile the floor instead,
 # SECS [5] recorded seconds, FREQ [1999] samples per second, OUT [target/profile], SERVER_CPU [0],
 # CLIENT_CPU [1], PORT [19480].
 
@@ -32,31 +32,9 @@ LOADGEN=$(ls -t target/release/deps/loadgen-* 2>/dev/null | grep -v '\.d$' | hea
     { echo "profile.sh: build first: cargo build --release && cargo bench --bench loadgen --no-run" >&2; exit 1; }
 mkdir -p "$OUT"
 
-config=$(mktemp)
+config=${CONFIG:-benches/throughput.toml}
 server_pid=""
-trap 'rm -f "$config"; [[ -n $server_pid ]] && kill "$server_pid" 2>/dev/null; true' EXIT
-if [[ -n ${CONFIG:-} ]]; then
-    cp "$CONFIG" "$config"
-else
-    cat >"$config" <<EOF
-[server]
-lease_ttl = "10s"
-
-[limits.subject]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.tenant]
-rate = "10000000/s"
-burst = 10000000
-concurrency = 1000000
-
-[limits.global]
-rate = "10000000/s"
-burst = 10000000
-EOF
-fi
+trap '[[ -n $server_pid ]] && kill "$server_pid" 2>/dev/null; true' EXIT
 
 if [[ ${SERVER:-admitd} == floor ]]; then
     taskset -c "$SERVER_CPU" "$LOADGEN" --floor-only "$PORT" --lifetime 600 >/dev/null 2>&1 &

@@ -265,7 +265,7 @@ if [ -z "$ADMITD_BIN" ]; then
     echo "SKIP: no admitd binary with a 'check' command (build it with 'cargo build', or set ADMITD=path)"
 else
     echo "using $ADMITD_BIN"
-    for cfg in deploy/admitd.example.toml "$TMP/sidecar.toml"; do
+    for cfg in deploy/admitd.example.toml "$TMP/sidecar.toml" benches/throughput.toml; do
         [ -f "$cfg" ] || continue
         label="$cfg"
         [ "$cfg" = "$TMP/sidecar.toml" ] && label="deploy/kubernetes/sidecar.yaml (ConfigMap admitd.toml)"
