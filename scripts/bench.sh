@@ -5,7 +5,7 @@
 # Layout on a 2-core machine: the server under test (admitd or the floor, each in its own process) runs
 # on core 0, the load generator on core 1, so the client never steals the server's CPU.
 #
-#   scripts/bench.sh              # build, run everything (about 10 minutes after the build)
+#   scripts/bench.sh              # build, run everything (about 15 minutes after the build)
 #   DURATION=5 scripts/bench.sh   # shorter runs
 #
 # Environment (defaults in brackets): DURATION [10] and WARMUP [2] seconds per run; OPEN_RATE [20000]
@@ -297,7 +297,7 @@ fi
         # Medians over the rounds, each side on its own: throughput ratio, CPU-per-request ratio, and
         # admitd's p99.
         jq -rs '
-            def med(s): [.[] | select(.label | startswith(s + " #")) | select(. != null)] as $r
+            def med(s): [.[] | select(.label | startswith(s + " #"))] as $r
                 | {n: ($r | length),
                    rps: ($r | map(.rps) | sort | .[length / 2 | floor]),
                    cpu: ($r | map(.server_cpu_us_per_req) | map(select(. != null)) | sort | .[length / 2 | floor]),

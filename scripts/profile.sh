@@ -7,8 +7,8 @@
 #   scripts/profile.sh spread --tenants 1000 --subjects 100
 #   scripts/phases.py target/profile/one.txt CPU1 target/profile/spread.txt CPU2   # side by side
 #
-# Environment: CONFIG [benches/throughput.toml, the benchmark's generous limits], SERVER=floor to profile the floor instead,
-# SECS [5] recorded seconds, FREQ [1999] samples per second, OUT [target/profile], SERVER_CPU [0],
+# Environment: CONFIG [benches/throughput.toml, the benchmark's generous limits], SERVER=floor to
+# profile the floor instead, SECS [5] recorded seconds, FREQ [1999] samples per second, OUT [target/profile], SERVER_CPU [0],
 # CLIENT_CPU [1], PORT [19480].
 
 set -euo pipefail
@@ -51,7 +51,8 @@ for _ in $(seq 50); do
     sleep 0.1
 done
 
-# The load runs a second longer on each side than the recording, so that perf sees only steady state.
+# The recording lies inside the load's measured window (from 2 s to SECS + 4 s), after its warm-up, so
+# perf sees only steady state and the CPU per request it is scaled by covers the same load.
 taskset -c "$CLIENT_CPU" "$LOADGEN" --url "http://127.0.0.1:$PORT" --server-pid "$server_pid" \
     --clk-tck "$CLK_TCK" --connections 64 --warmup 2 --duration $((SECS + 2)) --json "$@" \
     >"$OUT/$NAME.json" 2>/dev/null &
