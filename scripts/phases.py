@@ -83,6 +83,8 @@ def main(argv):
     within = None
     if "--within" in argv:
         i = argv.index("--within")
+        if i + 1 >= len(argv):
+            sys.exit("--within needs a phase name\n" + __doc__)
         within = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
     if len(argv) not in (2, 4):

@@ -73,6 +73,12 @@ class PhasesTest(unittest.TestCase):
         self.assertEqual(decision.split()[:3], ["2.00", "3.00", "+1.00"])
         self.assertEqual(lines[-1].split()[:2], ["8.00", "12.00"])
 
+    def test_bad_arguments_exit_with_the_usage_instead_of_a_traceback(self):
+        for argv in ([self.path], [self.path, "8", "--within"]):
+            with self.assertRaises(SystemExit) as e:
+                phases.main(argv)
+            self.assertIn("scripts/phases.py", str(e.exception.code))
+
 
 if __name__ == "__main__":
     unittest.main()
