@@ -9,7 +9,11 @@
 
 pub mod units;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+/// The config's name-keyed maps. Tools and upstreams are looked up several times per admission by a
+/// caller's name, so with a fast hasher (the keys are the operator's: nothing to flood).
+pub type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -382,10 +386,10 @@ impl Default for Config {
                     daily_quota: None,
                 },
             },
-            plans: HashMap::new(),
-            tenants: HashMap::new(),
-            tools: HashMap::new(),
-            upstreams: HashMap::new(),
+            plans: HashMap::default(),
+            tenants: HashMap::default(),
+            tools: HashMap::default(),
+            upstreams: HashMap::default(),
             telemetry: TelemetryConfig {
                 max_subjects_per_tenant: 1000,
                 max_subjects_total: 10_000,

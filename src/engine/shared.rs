@@ -7,7 +7,8 @@
 //! their lifecycle (it rebuilds the map and rescales the buckets on reload); the hot path only reads the
 //! map through an `ArcSwap` and updates buckets with compare-and-swap.
 
-use std::collections::HashMap;
+/// Looked up per admission by upstream and tenant name (shares), so with a fast hasher.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -67,7 +68,7 @@ impl Default for SharedUpstream {
             last_429: AtomicU64::new(0),
             sre: Mutex::new(SreWindow::default()),
             fair: Mutex::new(FairBoard::default()),
-            shares: ArcSwap::from_pointee(HashMap::new()),
+            shares: ArcSwap::from_pointee(HashMap::default()),
         }
     }
 }
@@ -150,7 +151,7 @@ impl SharedUpstream {
             .collect();
         let total: f64 = claims.iter().map(|c| c.0).sum();
         let shares = if total <= capacity {
-            HashMap::new()
+            HashMap::default()
         } else {
             let fair = adaptive::max_min_fair(capacity, &claims);
             names
@@ -191,7 +192,7 @@ impl SharedBudgets {
     pub fn new(cfg: &Config) -> Self {
         let s = SharedBudgets {
             global: AtomicBucket::default(),
-            upstreams: ArcSwap::from_pointee(HashMap::new()),
+            upstreams: ArcSwap::from_pointee(HashMap::default()),
         };
         s.rebuild_map(cfg);
         s
@@ -227,7 +228,7 @@ impl SharedBudgets {
 
     fn rebuild_map(&self, cfg: &Config) {
         let current = self.upstreams.load();
-        let mut map = HashMap::new();
+        let mut map = HashMap::default();
         for (name, u) in &cfg.upstreams {
             if u.shared {
                 let entry = current.get(name.as_str()).cloned().unwrap_or_default();
