@@ -318,6 +318,35 @@ fn scaled(spec: BucketSpec, m: f64) -> Gcra {
     Gcra::new(BucketSpec::new(spec.rate.per_sec * m, spec.burst))
 }
 
+/// Whether a plan spends more than one upstream (each upstream layer is then named after its upstream).
+fn several_upstreams(plan: &[LayerPlan]) -> bool {
+    plan.iter()
+        .filter(|lp| lp.layer == Layer::TenantUpstream)
+        .count()
+        > 1
+}
+
+/// How a layer is reported, given its bucket's state.
+fn layer_state(
+    lp: &LayerPlan,
+    several_upstreams: bool,
+    remaining: u64,
+    reset_ns: u64,
+) -> LayerState {
+    let name = match (&lp.upstream, several_upstreams) {
+        (Some(up), true) => std::borrow::Cow::Owned(format!("tenant_upstream:{up}")),
+        _ => std::borrow::Cow::Borrowed(lp.layer.as_str()),
+    };
+    LayerState {
+        layer: lp.layer,
+        name,
+        burst: lp.g.burst,
+        window_secs: lp.g.window_secs(),
+        remaining,
+        reset_ns,
+    }
+}
+
 /// The tenant's policy, resolved from one config generation.
 #[derive(Debug, Clone)]
 struct Policy {
@@ -580,46 +609,67 @@ impl TenantEngine {
         lp.fair.filter(|f| !f.oversized(tokens))
     }
 
-    fn take_layer(&mut self, lp: &LayerPlan, r: &Resolved, now: Nanos, max_wait: u64) -> Take {
+    /// Takes the call's tokens from one layer. Also returns the layer's state as the answer reports it
+    /// (whole tokens left, nanoseconds until full), read from the buckets just taken from: reading it
+    /// afterwards would look every bucket up a second time.
+    fn take_layer(
+        &mut self,
+        lp: &LayerPlan,
+        r: &Resolved,
+        now: Nanos,
+        max_wait: u64,
+    ) -> (Take, u64, u64) {
         let tokens = r.cost * lp.units;
         let inc = lp.g.increment(tokens);
+        let local = |b: &mut Bucket, g: &Gcra, max_wait: u64| {
+            let t = b.take(g, now, inc, max_wait);
+            (t, b.remaining(g, now), b.reset_ns(now))
+        };
         match lp.layer {
-            Layer::Subject => self.subject_mut(r).bucket.take(&lp.g, now, inc, max_wait),
-            Layer::SubjectTool => self
-                .subject_mut(r)
-                .tool_bucket(&r.tool)
-                .take(&lp.g, now, inc, max_wait),
-            Layer::Tenant => self.tenant_bucket.take(&lp.g, now, inc, max_wait),
+            Layer::Subject => local(&mut self.subject_mut(r).bucket, &lp.g, max_wait),
+            Layer::SubjectTool => local(self.subject_mut(r).tool_bucket(&r.tool), &lp.g, max_wait),
+            Layer::Tenant => local(&mut self.tenant_bucket, &lp.g, max_wait),
             Layer::TenantUpstream => {
                 let name = lp.upstream.clone().unwrap_or_else(|| Arc::from(""));
                 let Some(s) = &lp.shared else {
-                    return self
-                        .upstream_mut(&name)
-                        .bucket
-                        .take(&lp.g, now, inc, max_wait);
+                    return local(&mut self.upstream_mut(&name).bucket, &lp.g, max_wait);
                 };
                 // Past its fair share a tenant is refused, never held: a hold would reserve shared
                 // tokens ahead of time and make the tenants within their share wait behind it.
                 let fair = Self::fair_of(lp, tokens);
+                let mut fair_state = None;
                 if let Some(f) = fair {
                     let u = self.upstream_mut(&name);
-                    if let short @ Take::Short { .. } = u.fair.take(&f, now, f.increment(tokens), 0)
-                    {
-                        return short;
+                    match u.fair.take(&f, now, f.increment(tokens), 0) {
+                        short @ Take::Short { .. } => return (short, 0, 0),
+                        Take::Ok { .. } => {
+                            fair_state = Some((u.fair.remaining(&f, now), u.fair.reset_ns(now)))
+                        }
                     }
                 }
                 let max_wait = if lp.hold_ok { max_wait } else { 0 };
                 match s.bucket.take(&lp.g, now, inc, max_wait) {
-                    ok @ Take::Ok { .. } => ok,
+                    ok @ Take::Ok { .. } => {
+                        let (mut remaining, mut reset) =
+                            (s.bucket.remaining(&lp.g, now), s.bucket.reset_ns(now));
+                        if let Some((r2, t2)) = fair_state {
+                            (remaining, reset) = (remaining.min(r2), reset.max(t2));
+                        }
+                        (ok, remaining, reset)
+                    }
                     short => {
                         if let Some(f) = fair {
                             self.upstream_mut(&name).fair.refund(f.increment(tokens));
                         }
-                        short
+                        (short, 0, 0)
                     }
                 }
             }
-            Layer::Global => self.shared.global.take(&lp.g, now, inc, max_wait),
+            Layer::Global => {
+                let b = &self.shared.global;
+                let t = b.take(&lp.g, now, inc, max_wait);
+                (t, b.remaining(&lp.g, now), b.reset_ns(now))
+            }
         }
     }
 
@@ -744,26 +794,11 @@ impl TenantEngine {
     }
 
     fn layer_states(&self, plan: &[LayerPlan], r: &Resolved, now: Nanos) -> Vec<LayerState> {
-        let several_upstreams = plan
-            .iter()
-            .filter(|lp| lp.layer == Layer::TenantUpstream)
-            .count()
-            > 1;
+        let several = several_upstreams(plan);
         plan.iter()
             .map(|lp| {
                 let (remaining, reset_ns, _) = self.peek_layer(lp, r, now);
-                let name = match (&lp.upstream, several_upstreams) {
-                    (Some(up), true) => std::borrow::Cow::Owned(format!("tenant_upstream:{up}")),
-                    _ => std::borrow::Cow::Borrowed(lp.layer.as_str()),
-                };
-                LayerState {
-                    layer: lp.layer,
-                    name,
-                    burst: lp.g.burst,
-                    window_secs: lp.g.window_secs(),
-                    remaining,
-                    reset_ns,
-                }
+                layer_state(lp, several, remaining, reset_ns)
             })
             .collect()
     }
@@ -1200,13 +1235,16 @@ impl TenantEngine {
         }
 
         let mut hold = 0u64;
+        let several = several_upstreams(plan);
+        let mut layers = Vec::with_capacity(plan.len());
         for (i, lp) in plan.iter().enumerate() {
             match self.take_layer(lp, &r, now, max_wait) {
-                Take::Ok { wait } => {
+                (Take::Ok { wait }, remaining, reset_ns) => {
                     charge.taken.push((lp.layer, lp.upstream.clone()));
                     hold = hold.max(wait);
+                    layers.push(layer_state(lp, several, remaining, reset_ns));
                 }
-                Take::Short { .. } => {
+                (Take::Short { .. }, _, _) => {
                     // Give back everything, then promise this caller a slot behind earlier refusals.
                     self.undo_charge(&r, plan, &charge);
                     self.free_slots(&r.subject);
@@ -1234,7 +1272,6 @@ impl TenantEngine {
         let expires = now
             .saturating_add(hold)
             .saturating_add(self.policy.cfg.server.lease_ttl.as_nanos() as u64);
-        let layers = self.layer_states(plan, &r, now);
         let lease = self.leases.insert(Lease {
             resolved: r.clone(),
             slots: true,

@@ -1650,6 +1650,31 @@ fn layers_list_every_applied_bucket_in_order_with_policy_and_state() {
 }
 
 #[test]
+fn layers_of_a_shared_upstream_and_of_a_held_call_are_read_after_the_take() {
+    let rig = Rig::new(
+        "[limits.subject]\nrate = \"1/s\"\nburst = 1\n[upstreams.maps]\nshared = true\nrate = \"10/s\"\nburst = 10\n[tools.route]\nupstream = \"maps\"\n",
+    );
+    let mut e = rig.engine("acme");
+    let state = |d: &Decision, layer: Layer| {
+        let l = d.layers.iter().find(|l| l.layer == layer).unwrap();
+        (l.remaining, l.reset_ns)
+    };
+    let d = rig.decide(&mut e, &call("a", "route"));
+    admitted_now(&d);
+    assert_eq!(state(&d, Layer::Subject), (0, SEC));
+    assert_eq!(state(&d, Layer::TenantUpstream), (9, 100 * MS));
+    // Another tenant spends the same shared budget: its answer counts both calls.
+    let mut other = rig.engine("globex");
+    let d = rig.decide(&mut other, &call("b", "route"));
+    assert_eq!(state(&d, Layer::TenantUpstream), (8, 200 * MS));
+    // A held call reports its bucket as reserved: empty, and full again a hold later than now.
+    let d = rig.decide(&mut e, &call("a", "route").wait_ms(2000));
+    assert_eq!(admitted(&d).hold_ns, SEC);
+    assert_eq!(state(&d, Layer::Subject), (0, 2 * SEC));
+    assert_eq!(state(&d, Layer::TenantUpstream), (7, 300 * MS));
+}
+
+#[test]
 fn window_rounds_up_and_tightest_ties_go_to_the_earlier_layer() {
     let rig = Rig::new("[limits.subject]\nrate = \"3/s\"\nburst = 10\n[limits.tenant]\nrate = \"3/s\"\nburst = 10\n");
     let mut e = rig.engine("acme");
