@@ -27,11 +27,17 @@ pub fn whole_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000)
 }
 
-fn seconds(n: u64) -> String {
-    if n == 1 {
-        "1 second".to_string()
-    } else {
-        format!("{n} seconds")
+/// "Wait N seconds, then retry ...", written into the message as it is built.
+struct Retry(u64);
+
+impl std::fmt::Display for Retry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let unit = if self.0 == 1 { "second" } else { "seconds" };
+        write!(
+            f,
+            "Wait {} {unit}, then retry this call with the same arguments; the arguments are fine. Do not retry sooner.",
+            self.0
+        )
     }
 }
 
@@ -53,56 +59,73 @@ pub fn reason(scope: Scope) -> &'static str {
     }
 }
 
+/// Room for the longest text (435 bytes without its names) with an upstream name of up to 38 bytes,
+/// which it names twice. A longer name makes the buffer grow once.
+const MESSAGE_CAPACITY: usize = 512;
+
 /// The text the model reads.
 pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> String {
-    let wait = seconds(whole_seconds(retry_after_ms).max(1));
-    let retry = format!(
-        "Wait {wait}, then retry this call with the same arguments; the arguments are fine. Do not retry sooner."
-    );
+    use std::fmt::Write;
+    let retry = Retry(whole_seconds(retry_after_ms).max(1));
     let up = cx.upstream.unwrap_or("upstream");
     let who = if cx.account_wide {
         "this account"
     } else {
         "this agent"
     };
-    match scope {
-        Scope::Subject => format!(
+    // Written into one buffer as large as the longest text: a refusal is made for every shed call, a
+    // runaway loop's included, and building it from pieces cost more than deciding the call.
+    let mut text = String::with_capacity(MESSAGE_CAPACITY);
+    let _ = match scope {
+        Scope::Subject => write!(
+            text,
             "Rate limited: this agent has made too many tool calls in a short time. {retry} {FORWARD}"
         ),
-        Scope::SubjectTool => format!(
+        Scope::SubjectTool => write!(
+            text,
             "Rate limited: the {} tool has been called too often by this agent. {retry} Other tools are not affected. {FORWARD}",
             cx.tool
         ),
-        Scope::Tenant => format!(
+        Scope::Tenant => write!(
+            text,
             "Rate limited by the overall tool-call quota for this account. {retry} {FORWARD}"
         ),
-        Scope::TenantUpstream if cx.shared_upstream => format!(
+        Scope::TenantUpstream if cx.shared_upstream => write!(
+            text,
             "Rate limited by the {up} quota, which all accounts share. {retry} Other tools that use {up} share this quota. {FORWARD}"
         ),
-        Scope::TenantUpstream => format!(
+        Scope::TenantUpstream => write!(
+            text,
             "Rate limited by the {up} quota for this account. {retry} Other tools that use {up} share this quota. {FORWARD}"
         ),
-        Scope::Global => format!(
+        Scope::Global => write!(
+            text,
             "The tool service is handling too many calls overall right now. {retry} {FORWARD}"
         ),
-        Scope::Concurrency => format!(
+        Scope::Concurrency => write!(
+            text,
             "Too many tool calls from {who} are running at the same time. {retry} Start fewer calls in parallel. {FORWARD}"
         ),
-        Scope::DailyQuota => format!(
+        Scope::DailyQuota => write!(
+            text,
             "The daily tool-call quota of {who} is used up; it resets at midnight UTC. {retry} Calls before then will be refused. Tell the user that this step must wait until the quota resets, and continue with the results you already have."
         ),
-        Scope::UpstreamPenalty => format!(
+        Scope::UpstreamPenalty => write!(
+            text,
             "The {up} service asked for calls to slow down (it is rate limiting this account). {retry} Calls before then will be refused, so retrying sooner cannot help; after the wait, retrying is expected to work. Other tools that use {up} are paused too. {FORWARD}"
         ),
-        Scope::Adaptive => format!(
+        Scope::Adaptive => write!(
+            text,
             "The {up} service is rejecting most requests right now, so this call was not sent to it. Retrying at once will not help. {retry} {FORWARD}"
         ),
-        Scope::Oversized => format!(
+        Scope::Oversized => write!(
+            text,
             "This call is too large to ever fit its limit (it costs {} units; the limit is {}). Waiting will not help and retrying it unchanged will fail again. Make the request smaller, for example ask for fewer items or a narrower range, or tell the user it cannot be done in one call.",
             trim_number(cx.cost),
             trim_number(cx.limit)
         ),
-    }
+    };
+    text
 }
 
 /// A number as a person writes it: whole numbers without decimals, fractions with two, and numbers
@@ -211,5 +234,28 @@ mod tests {
         assert!(message(Scope::Subject, 1, &cx()).contains("Wait 1 second,"));
         assert_eq!(whole_seconds(1000), 1);
         assert_eq!(whole_seconds(1001), 2);
+    }
+
+    #[test]
+    fn every_text_is_written_into_one_buffer_without_growing_it() {
+        // Upstream names as long as an operator is likely to choose, in both places they appear.
+        let up = "warehouse-reporting-eu-west";
+        for scope in Scope::ALL {
+            for account_wide in [false, true] {
+                for shared_upstream in [false, true] {
+                    let cx = RefusalContext {
+                        upstream: Some(up),
+                        tool: "get_quarterly_sales_report",
+                        account_wide,
+                        shared_upstream,
+                        ..cx()
+                    };
+                    let text = message(scope, 12_345, &cx);
+                    assert_eq!(text.capacity(), MESSAGE_CAPACITY, "{scope:?} grew: {text}");
+                }
+            }
+        }
+        assert!(message(Scope::Subject, 1000, &cx()).contains("Wait 1 second, then retry"));
+        assert!(message(Scope::Subject, 1001, &cx()).contains("Wait 2 seconds, then retry"));
     }
 }
