@@ -376,6 +376,17 @@ impl Policy {
     }
 }
 
+/// The config of each upstream a call spends, in the order of [`Resolved::upstreams`] (`None` for a
+/// name the config does not know). Looked up once per call: the decision's steps each need it.
+type UpstreamConfigs<'a> = SmallVec<[Option<&'a UpstreamConfig>; 2]>;
+
+fn upstream_configs<'a>(cfg: &'a Config, r: &Resolved) -> UpstreamConfigs<'a> {
+    r.upstreams
+        .iter()
+        .map(|(up, _)| cfg.upstreams.get(&**up))
+        .collect()
+}
+
 /// Tool and upstream names a tenant keeps shared copies of, at most.
 const NAMES: usize = 1024;
 
@@ -542,6 +553,12 @@ impl TenantEngine {
     }
 
     fn plan(&self, r: &Resolved) -> Vec<LayerPlan> {
+        let configs = upstream_configs(&self.policy.cfg, r);
+        self.plan_for(r, &configs)
+    }
+
+    /// [`TenantEngine::plan`] with the call's upstream configs already looked up.
+    fn plan_for(&self, r: &Resolved, configs: &[Option<&UpstreamConfig>]) -> Vec<LayerPlan> {
         let p = &self.policy;
         let mut v = Vec::with_capacity(4 + r.upstreams.len());
         v.push(LayerPlan::simple(Layer::Subject, p.subject_g));
@@ -549,8 +566,8 @@ impl TenantEngine {
             v.push(LayerPlan::simple(Layer::SubjectTool, Gcra::new(b)));
         }
         v.push(LayerPlan::simple(Layer::Tenant, p.tenant_g));
-        for (up, units) in &r.upstreams {
-            let Some(cfg) = p.upstream(up) else { continue };
+        for ((up, units), cfg) in r.upstreams.iter().zip(configs) {
+            let Some(cfg) = cfg else { continue };
             let Some(spec) = cfg.bucket else { continue };
             let (shared, multiplier) = if cfg.shared {
                 match self.shared.upstream(up) {
@@ -851,9 +868,11 @@ impl TenantEngine {
     pub fn admit(&mut self, req: &AdmitRequest, now: Nanos, wall_ms: i64) -> AdmitResult {
         self.last_active = now;
         let r = self.resolve(req);
-        self.settle_cuts(&r, now);
-        self.note_demand(&r, now);
-        let plan = self.plan(&r);
+        let cfg = Arc::clone(&self.policy.cfg);
+        let configs = upstream_configs(&cfg, &r);
+        self.settle_cuts(&r, &configs, now);
+        self.note_demand(&r, &configs, now);
+        let plan = self.plan_for(&r, &configs);
 
         if let Some(shed) = self.oversized(&r, &plan) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
@@ -861,7 +880,7 @@ impl TenantEngine {
         if let Some(shed) = self.penalty(&r, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
-        if let Some(shed) = self.adaptive(&r, now) {
+        if let Some(shed) = self.adaptive(&r, &configs, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
         if self.take_slots_if_free(&r) {
@@ -895,12 +914,13 @@ impl TenantEngine {
 
     /// Forgets AIMD cuts on the call's upstreams that saw no 429 for the adaptive window: with no recent
     /// evidence the upstream is overloaded, the configured rate applies again.
-    fn settle_cuts(&mut self, r: &Resolved, now: Nanos) {
-        for (up, _) in &r.upstreams {
-            let Some(cfg) = self.policy.upstream(up) else {
+    fn settle_cuts(&mut self, r: &Resolved, configs: &[Option<&UpstreamConfig>], now: Nanos) {
+        for ((up, _), cfg) in r.upstreams.iter().zip(configs) {
+            let Some(cfg) = cfg else {
                 continue;
             };
-            let (forget, spec) = (forget_after(self.sre_window(up)), cfg.bucket);
+            let window = cfg.adaptive.map_or(0, |a| a.window.as_nanos() as u64);
+            let (forget, spec) = (forget_after(window), cfg.bucket);
             if cfg.shared {
                 if let (Some(s), Some(spec)) = (self.shared.upstream(up), spec) {
                     if s.multiplier() < 1.0 && now.saturating_sub(s.last_429()) > forget {
@@ -922,14 +942,9 @@ impl TenantEngine {
     }
 
     /// Counts calls per shared upstream and reports the rate for the fair share every 250 ms.
-    fn note_demand(&mut self, r: &Resolved, now: Nanos) {
-        for (up, units) in &r.upstreams {
-            let Some(spec) = self
-                .policy
-                .upstream(up)
-                .filter(|c| c.shared)
-                .and_then(|c| c.bucket)
-            else {
+    fn note_demand(&mut self, r: &Resolved, configs: &[Option<&UpstreamConfig>], now: Nanos) {
+        for ((up, units), cfg) in r.upstreams.iter().zip(configs) {
+            let Some(spec) = cfg.filter(|c| c.shared).and_then(|c| c.bucket) else {
                 continue;
             };
             let Some(s) = self.shared.upstream(up) else {
@@ -1067,9 +1082,10 @@ impl TenantEngine {
     fn longest_penalty(&self, r: &Resolved, now: Nanos) -> Option<(Arc<str>, u64)> {
         r.upstreams
             .iter()
-            .map(|(u, _)| (u.clone(), self.penalty_until(u).saturating_sub(now)))
+            .map(|(u, _)| (u, self.penalty_until(u).saturating_sub(now)))
             .filter(|(_, left)| *left > 0)
             .max_by_key(|(_, left)| *left)
+            .map(|(u, left)| (u.clone(), left))
     }
 
     fn penalty(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
@@ -1078,9 +1094,14 @@ impl TenantEngine {
     }
 
     /// Google SRE client-side throttling, per upstream the call spends.
-    fn adaptive(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
-        for (up, _) in &r.upstreams {
-            let Some(cfg) = self.policy.upstream(up) else {
+    fn adaptive(
+        &mut self,
+        r: &Resolved,
+        configs: &[Option<&UpstreamConfig>],
+        now: Nanos,
+    ) -> Option<Shed> {
+        for ((up, _), cfg) in r.upstreams.iter().zip(configs) {
+            let Some(cfg) = cfg else {
                 continue;
             };
             let Some(a) = cfg.adaptive else { continue };
