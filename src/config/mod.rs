@@ -10,10 +10,6 @@
 pub mod units;
 
 use std::collections::BTreeMap;
-
-/// The config's name-keyed maps. Tools and upstreams are looked up several times per admission by a
-/// caller's name, so with a fast hasher (the keys are the operator's: nothing to flood).
-pub type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -23,6 +19,10 @@ use serde::Deserialize;
 use toml::Spanned;
 
 pub use units::{parse_duration, parse_rate, Rate};
+
+/// The config's name-keyed maps. Tools and upstreams are looked up several times per admission by a
+/// caller's name, so with a fast hasher (the keys are the operator's: nothing to flood).
+pub type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// A config error located in its file.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,8 +7,6 @@
 //! their lifecycle (it rebuilds the map and rescales the buckets on reload); the hot path only reads the
 //! map through an `ArcSwap` and updates buckets with compare-and-swap.
 
-/// Looked up per admission by upstream and tenant name (shares), so with a fast hasher.
-type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -20,6 +18,9 @@ use super::adaptive::{self, SreWindow};
 use super::bucket::{AtomicBucket, Gcra};
 use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::Config;
+
+/// Looked up per admission by upstream and tenant name (shares), so with a fast hasher.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// How often fair shares are recomputed from demand reports.
 pub const FAIR_SHARE_EVERY: Nanos = 250 * NS_PER_MS;
