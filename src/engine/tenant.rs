@@ -313,6 +313,11 @@ fn forget_after(sre_window: u64) -> u64 {
     }
 }
 
+/// An upstream's adaptive-throttle window in nanoseconds (0 when adaptive throttling is off).
+fn adaptive_window(cfg: &UpstreamConfig) -> u64 {
+    cfg.adaptive.map_or(0, |a| a.window.as_nanos() as u64)
+}
+
 /// A budget's shape at an AIMD multiplier.
 fn scaled(spec: BucketSpec, m: f64) -> Gcra {
     Gcra::new(BucketSpec::new(spec.rate.per_sec * m, spec.burst))
@@ -919,8 +924,7 @@ impl TenantEngine {
             let Some(cfg) = cfg else {
                 continue;
             };
-            let window = cfg.adaptive.map_or(0, |a| a.window.as_nanos() as u64);
-            let (forget, spec) = (forget_after(window), cfg.bucket);
+            let (forget, spec) = (forget_after(adaptive_window(cfg)), cfg.bucket);
             if cfg.shared {
                 if let (Some(s), Some(spec)) = (self.shared.upstream(up), spec) {
                     if s.multiplier() < 1.0 && now.saturating_sub(s.last_429()) > forget {
@@ -1746,10 +1750,7 @@ impl TenantEngine {
     }
 
     fn sre_window(&self, upstream: &str) -> u64 {
-        self.policy
-            .upstream(upstream)
-            .and_then(|c| c.adaptive)
-            .map_or(0, |a| a.window.as_nanos() as u64)
+        self.policy.upstream(upstream).map_or(0, adaptive_window)
     }
 
     /// Drops per-subject and per-upstream state that is back at its resting value.
@@ -1804,7 +1805,7 @@ impl TenantEngine {
     /// How this tenant sees `upstream` now: configured and effective rate, throttle, fair share.
     fn upstream_view(&self, name: &Arc<str>, now: Nanos) -> Option<UpstreamSnapshot> {
         let cfg = self.policy.upstream(name)?;
-        let window = cfg.adaptive.map_or(0, |a| a.window.as_nanos() as u64);
+        let window = adaptive_window(cfg);
         let k = cfg.adaptive.map_or(0.0, |a| a.k);
         let (multiplier, (requests, accepts), share) = if cfg.shared {
             let s = self.shared.upstream(name)?;
