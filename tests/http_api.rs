@@ -691,6 +691,40 @@ fn daily_quota_and_plans_apply_per_tenant() {
 }
 
 #[test]
+fn a_plan_can_give_its_tenants_a_global_bucket_of_their_own() {
+    // The free plan's tenants share 2 calls of global burst (refilling once an hour); others pass
+    // [limits.global].
+    let d = Daemon::start(
+        "[limits.global]\nrate = \"1/h\"\nburst = 100\n[plans.free.global]\nburst = 2\n\
+         [tenants.globex]\nplan = \"free\"\n[tenants.initech]\nplan = \"free\"\n",
+    );
+    assert_eq!(d.admit(call("globex", "a", "x")).status, 200);
+    let second = d.admit(call("initech", "b", "x"));
+    assert_eq!(second.status, 200);
+    assert!(
+        second
+            .header("ratelimit-policy")
+            .unwrap()
+            .contains("\"global\";q=2;w=7200"),
+        "{:?}",
+        second.header("ratelimit-policy")
+    );
+    let third = d.admit(call("globex", "c", "x"));
+    assert_eq!(third.status, 429);
+    assert_eq!(third.body["scope"], "global");
+    let other = d.admit(call("acme", "d", "x"));
+    assert_eq!(other.status, 200);
+    assert!(
+        other
+            .header("ratelimit-policy")
+            .unwrap()
+            .contains("\"global\";q=100;w=360000"),
+        "{:?}",
+        other.header("ratelimit-policy")
+    );
+}
+
+#[test]
 fn idle_tenants_are_dropped_once_their_state_is_back_at_rest() {
     let d = Daemon::start("[server]\nidle_ttl = \"1s\"\n");
     for t in 0..10 {

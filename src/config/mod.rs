@@ -121,6 +121,9 @@ pub struct Limits {
 pub struct Plan {
     pub subject: LayerOverride,
     pub tenant: LayerOverride,
+    /// `[plans.NAME.global]`: the plan's tenants pass a global bucket of their own (one for the whole
+    /// plan, shared by its tenants) with these keys over `[limits.global]`'s, instead of that one.
+    pub global: LayerOverride,
     /// Weight in the fair share of a contended shared upstream (default 1).
     pub weight: f64,
 }
@@ -130,6 +133,7 @@ impl Default for Plan {
         Plan {
             subject: LayerOverride::default(),
             tenant: LayerOverride::default(),
+            global: LayerOverride::default(),
             weight: 1.0,
         }
     }
@@ -434,13 +438,30 @@ impl Config {
         v.config(raw)
     }
 
+    /// The tenant's plan, with its name.
+    fn plan_of(&self, tenant: &str) -> Option<(&str, &Plan)> {
+        let name = self.tenants.get(tenant)?.plan.as_deref()?;
+        Some((name, self.plans.get(name)?))
+    }
+
+    /// The global bucket the tenant's calls pass: `[limits.global]` (`None`), or the one its plan
+    /// overrides it with, shared by the plan's tenants (`Some(plan name)`).
+    pub fn tenant_global(&self, tenant: &str) -> (Option<&str>, BucketSpec) {
+        self.plan_of(tenant)
+            .and_then(|(name, _)| Some((Some(name), self.plan_global(name)?)))
+            .unwrap_or((None, self.limits.global.bucket))
+    }
+
+    /// The global bucket of a plan that overrides `[limits.global]`, else `None`.
+    pub fn plan_global(&self, plan: &str) -> Option<BucketSpec> {
+        let p = self.plans.get(plan)?;
+        (p.global.rate.is_some() || p.global.burst.is_some())
+            .then(|| p.global.apply(&self.limits.global).bucket)
+    }
+
     /// The limits for `tenant`, with its plan applied.
     pub fn tenant_limits(&self, tenant: &str) -> TenantLimits {
-        let plan = self
-            .tenants
-            .get(tenant)
-            .and_then(|t| t.plan.as_ref())
-            .and_then(|p| self.plans.get(p));
+        let plan = self.plan_of(tenant).map(|(_, p)| p);
         match plan {
             Some(p) => TenantLimits {
                 subject: p.subject.apply(&self.limits.subject),
@@ -455,11 +476,7 @@ impl Config {
 
     /// The tenant's weight in the fair share of a contended shared upstream (its plan's, default 1).
     pub fn tenant_weight(&self, tenant: &str) -> f64 {
-        self.tenants
-            .get(tenant)
-            .and_then(|t| t.plan.as_ref())
-            .and_then(|p| self.plans.get(p))
-            .map_or(1.0, |p| p.weight)
+        self.plan_of(tenant).map_or(1.0, |(_, p)| p.weight)
     }
 
     /// The number of worker threads to run.
@@ -582,8 +599,7 @@ struct RawPlan {
     subject: Option<RawLayer>,
     tenant: Option<RawLayer>,
     weight: Option<S<f64>>,
-    /// Read only to refuse it with a clear message.
-    global: Option<S<toml::Value>>,
+    global: Option<RawLayer>,
 }
 
 #[derive(Deserialize, Default)]
@@ -724,6 +740,19 @@ impl Validator<'_> {
             Ok(()) => Ok(name.to_string()),
             Err(e) => self.err(span, format!("{key} {name:?} {e}")),
         }
+    }
+
+    /// Refuses the keys a global layer (`[limits.global]`, `[plans.NAME.global]`) cannot have.
+    fn rate_backstop_only(&self, section: &str, raw: &RawLayer) -> Result<(), ConfigError> {
+        for (key, span) in [
+            ("concurrency", raw.concurrency.as_ref().map(|v| v.span())),
+            ("daily_quota", raw.daily_quota.as_ref().map(|v| v.span())),
+        ] {
+            if let Some(at) = span {
+                return self.err(at, format!("{section}.{key} is not supported: the global layer is a rate backstop only; set {key} in [limits.subject] or [limits.tenant]"));
+            }
+        }
+        Ok(())
     }
 
     fn layer_override(&self, section: &str, raw: &RawLayer) -> Result<LayerOverride, ConfigError> {
@@ -1003,14 +1032,7 @@ impl Validator<'_> {
             ] {
                 if let Some(layer) = layer {
                     if name == "limits.global" {
-                        for (key, span) in [
-                            ("concurrency", layer.concurrency.as_ref().map(|v| v.span())),
-                            ("daily_quota", layer.daily_quota.as_ref().map(|v| v.span())),
-                        ] {
-                            if let Some(at) = span {
-                                return self.err(at, format!("limits.global.{key} is not supported: the global layer is a rate backstop only; set {key} in [limits.subject] or [limits.tenant]"));
-                            }
-                        }
+                        self.rate_backstop_only(name, &layer)?;
                     }
                     *target = self.layer_override(name, &layer)?.apply(target);
                     if let Some(at) = layer_span(&layer) {
@@ -1021,9 +1043,6 @@ impl Validator<'_> {
         }
 
         for (name, plan) in raw.plans.unwrap_or_default() {
-            if let Some(g) = &plan.get_ref().global {
-                return self.err(g.span(), format!("plans.{name}.global: a plan cannot override [limits.global]; the global bucket is one backstop shared by every tenant"));
-            }
             let span = plan.span();
             let key = self.name("plan", &name, span)?;
             let p = plan.into_inner();
@@ -1041,10 +1060,19 @@ impl Validator<'_> {
                     Some(l) => self.layer_override(&format!("plans.{name}.tenant"), l)?,
                     None => LayerOverride::default(),
                 },
+                global: match &p.global {
+                    Some(l) => {
+                        let section = format!("plans.{name}.global");
+                        self.rate_backstop_only(&section, l)?;
+                        self.layer_override(&section, l)?
+                    }
+                    None => LayerOverride::default(),
+                },
             };
             for (layer, raw, over, base) in [
                 ("subject", &p.subject, &plan.subject, &cfg.limits.subject),
                 ("tenant", &p.tenant, &plan.tenant, &cfg.limits.tenant),
+                ("global", &p.global, &plan.global, &cfg.limits.global),
             ] {
                 if let Some(at) = raw.as_ref().and_then(layer_span) {
                     let section = format!("plans.{name}.{layer}");
@@ -1510,10 +1538,33 @@ min_calls = 100
     }
 
     #[test]
+    fn a_plan_overrides_the_global_layer_for_its_tenants_only() {
+        let c = Config::parse(
+            "cfg.toml",
+            "[limits.global]\nrate = \"100/s\"\nburst = 200\n\
+             [plans.free.global]\nrate = \"5/s\"\n[plans.pro.subject]\nburst = 9\n\
+             [tenants.globex]\nplan = \"free\"\n[tenants.initech]\nplan = \"pro\"\n",
+        )
+        .unwrap();
+        // The plan's keys over [limits.global]'s; burst not set by the plan stays 200.
+        let free = BucketSpec::new(5.0, 200.0);
+        assert_eq!(c.tenant_global("globex"), (Some("free"), free));
+        assert_eq!(c.plan_global("free"), Some(free));
+        // A plan without a global override, and a tenant without a plan, pass [limits.global].
+        let global = BucketSpec::new(100.0, 200.0);
+        assert_eq!(c.plan_global("pro"), None);
+        assert_eq!(c.tenant_global("initech"), (None, global));
+        assert_eq!(c.tenant_global("hooli"), (None, global));
+        // Checked like [limits.global]: a burst the plan's refill would take centuries to fill.
+        let e = err("[plans.free.global]\nrate = \"1/day\"\nburst = 1e15\n");
+        assert!(e.starts_with("cfg.toml:3: plans.free.global"), "{e}");
+    }
+
+    #[test]
     fn unsupported_and_dead_keys_are_refused_not_ignored() {
-        let e = err("[plans.free.global]\nrate = \"1/s\"\n");
+        let e = err("[plans.free.global]\nrate = \"1/s\"\nconcurrency = 2\n");
         assert!(
-            e.starts_with("cfg.toml:1: plans.free.global: a plan cannot override [limits.global]"),
+            e.starts_with("cfg.toml:3: plans.free.global.concurrency is not supported"),
             "{e}"
         );
         let e = err("[limits.global]\nconcurrency = 4\n");

@@ -186,6 +186,9 @@ impl SharedUpstream {
 #[derive(Debug)]
 pub struct SharedBudgets {
     pub global: AtomicBucket,
+    /// The global buckets of plans that override `[limits.global]`, each shared by the plan's
+    /// tenants. Read when a tenant's policy is built, not per call: the policy keeps its bucket.
+    plan_globals: Mutex<HashMap<Arc<str>, Arc<AtomicBucket>>>,
     upstreams: ArcSwap<HashMap<Arc<str>, Arc<SharedUpstream>>>,
 }
 
@@ -193,10 +196,22 @@ impl SharedBudgets {
     pub fn new(cfg: &Config) -> Self {
         let s = SharedBudgets {
             global: AtomicBucket::default(),
+            plan_globals: Mutex::default(),
             upstreams: ArcSwap::from_pointee(HashMap::default()),
         };
         s.rebuild_map(cfg);
         s
+    }
+
+    /// The global bucket of `plan` (one that overrides `[limits.global]`), created full on first use.
+    pub fn plan_global(&self, plan: &str) -> Arc<AtomicBucket> {
+        let mut map = self.plan_globals.lock();
+        if let Some(b) = map.get(plan) {
+            return b.clone();
+        }
+        let b = Arc::new(AtomicBucket::default());
+        map.insert(Arc::from(plan), b.clone());
+        b
     }
 
     /// The shared state of `upstream`, when it is configured `shared = true`.
@@ -212,6 +227,18 @@ impl SharedBudgets {
             Gcra::new(new.limits.global.bucket),
         );
         self.global.rescale(now, &og, &ng);
+        // A plan's global bucket keeps what it has spent across a change of its limits, and is
+        // dropped when the plan no longer overrides [limits.global] (its tenants pass that one again).
+        self.plan_globals
+            .lock()
+            .retain(|plan, b| match new.plan_global(plan) {
+                Some(n) => {
+                    let o = old.plan_global(plan).unwrap_or(old.limits.global.bucket);
+                    b.rescale(now, &Gcra::new(o), &Gcra::new(n));
+                    true
+                }
+                None => false,
+            });
         for (name, up) in self.upstreams.load().iter() {
             let o = old.upstreams.get(&**name).and_then(|u| u.bucket);
             let n = new.upstreams.get(&**name).and_then(|u| u.bucket);

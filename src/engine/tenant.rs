@@ -32,7 +32,7 @@ use serde::Serialize;
 use smallvec::SmallVec;
 
 use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
-use super::bucket::{Bucket, Gcra, Take};
+use super::bucket::{AtomicBucket, Bucket, Gcra, Take};
 use super::leases::Leases;
 use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
@@ -361,19 +361,29 @@ struct Policy {
     subject_g: Gcra,
     tenant_g: Gcra,
     global_g: Gcra,
+    /// The global bucket of the tenant's plan, when the plan overrides `[limits.global]`; else the
+    /// tenant passes the shared one.
+    plan_global: Option<Arc<AtomicBucket>>,
 }
 
 impl Policy {
-    fn new(cfg: Arc<Config>, tenant: &str) -> Self {
+    fn new(cfg: Arc<Config>, tenant: &str, shared: &SharedBudgets) -> Self {
         let limits = cfg.tenant_limits(tenant);
+        let (plan, global) = cfg.tenant_global(tenant);
         Policy {
             subject_g: Gcra::new(limits.subject.bucket),
             tenant_g: Gcra::new(limits.tenant.bucket),
-            global_g: Gcra::new(cfg.limits.global.bucket),
+            global_g: Gcra::new(global),
+            plan_global: plan.map(|p| shared.plan_global(p)),
             weight: cfg.tenant_weight(tenant),
             limits,
             cfg,
         }
+    }
+
+    /// The global bucket this tenant's calls pass.
+    fn global<'a>(&'a self, shared: &'a SharedBudgets) -> &'a AtomicBucket {
+        self.plan_global.as_deref().unwrap_or(&shared.global)
     }
 
     fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
@@ -432,7 +442,7 @@ impl TenantEngine {
         let mut rng = Rng::new(seed);
         let next_id = rng.next_u64() >> 12;
         TenantEngine {
-            policy: Policy::new(cfg, &tenant),
+            policy: Policy::new(cfg, &tenant, &shared),
             tenant,
             shared,
             subjects: hashbrown::HashMap::default(),
@@ -467,8 +477,15 @@ impl TenantEngine {
         if Arc::ptr_eq(&cfg, &self.policy.cfg) {
             return;
         }
-        let old = std::mem::replace(&mut self.policy, Policy::new(cfg, &self.tenant));
+        let old = std::mem::replace(
+            &mut self.policy,
+            Policy::new(cfg, &self.tenant, &self.shared),
+        );
         let new = &self.policy;
+        if !std::ptr::eq(old.global(&self.shared), new.global(&self.shared)) {
+            // Promises made on another bucket say nothing about this one.
+            self.global_promised = 0;
+        }
         self.tenant_bucket
             .rescale(now, &old.tenant_g, &new.tenant_g);
         for s in self.subjects.values_mut() {
@@ -688,7 +705,7 @@ impl TenantEngine {
                 }
             }
             Layer::Global => {
-                let b = &self.shared.global;
+                let b = self.policy.global(&self.shared);
                 let t = b.take(&lp.g, now, inc, max_wait);
                 (t, b.remaining(&lp.g, now), b.reset_ns(now))
             }
@@ -714,7 +731,7 @@ impl TenantEngine {
                     None => self.upstream_mut(&name).bucket.refund(inc),
                 }
             }
-            Layer::Global => self.shared.global.refund(inc),
+            Layer::Global => self.policy.global(&self.shared).refund(inc),
         }
     }
 
@@ -756,10 +773,11 @@ impl TenantEngine {
                     None => self.upstream_mut(&name).bucket.promise(&lp.g, now, inc),
                 }
             }
-            Layer::Global => self
-                .shared
-                .global
-                .promise(&mut self.global_promised, &lp.g, now, inc),
+            Layer::Global => {
+                self.policy
+                    .global(&self.shared)
+                    .promise(&mut self.global_promised, &lp.g, now, inc)
+            }
         }
     }
 
@@ -805,7 +823,7 @@ impl TenantEngine {
                 }
             }
             Layer::Global => {
-                let b = &self.shared.global;
+                let b = self.policy.global(&self.shared);
                 (
                     b.remaining(&lp.g, now),
                     b.reset_ns(now),

@@ -40,9 +40,14 @@ impl Rig {
     }
 
     fn engine(&self, tenant: &str) -> TenantEngine {
+        self.engine_with(&self.cfg, tenant)
+    }
+
+    /// An engine on another config than the rig's (one reloaded since), on the rig's budgets.
+    fn engine_with(&self, cfg: &Arc<Config>, tenant: &str) -> TenantEngine {
         TenantEngine::new(
             Arc::from(tenant),
-            self.cfg.clone(),
+            cfg.clone(),
             self.shared.clone(),
             0x5eed ^ tenant.len() as u64,
         )
@@ -354,6 +359,68 @@ fn global_bucket_sheds_with_scope_global_across_tenants() {
     assert_eq!(rig.tokens(&globex, "subject", "g"), 20);
     assert_eq!(rig.tokens(&globex, "tenant", "globex"), 50);
     assert_eq!(rig.global_tokens(), 0);
+}
+
+/// Two tenants on plan `free` (whose global bucket is its own: 1/s, burst 2), one without a plan.
+const PLAN_GLOBAL: &str = "[limits.global]\nrate = \"1/s\"\nburst = 100\n\
+    [plans.free.global]\nburst = 2\n\
+    [tenants.globex]\nplan = \"free\"\n[tenants.initech]\nplan = \"free\"\n";
+
+#[test]
+fn a_plan_global_bucket_is_shared_by_the_plans_tenants_in_place_of_the_global_one() {
+    let rig = Rig::new(PLAN_GLOBAL);
+    let mut globex = rig.engine("globex");
+    let mut initech = rig.engine("initech");
+    let mut acme = rig.engine("acme");
+    let d = rig.decide(&mut globex, &call("a", "search"));
+    admitted_now(&d);
+    let global = d.layers.iter().find(|l| l.layer == Layer::Global).unwrap();
+    assert_eq!((global.burst, global.remaining), (2.0, 1), "{global:?}");
+    admitted_now(&rig.decide(&mut globex, &call("b", "search")));
+    // The plan's bucket is empty for every tenant of the plan ...
+    let d = rig.decide(&mut initech, &call("i", "search"));
+    assert_shed(&d, Scope::Global, SEC);
+    assert_eq!(
+        rig.tokens(&initech, "subject", "i"),
+        20,
+        "a refusal spends nothing"
+    );
+    // ... and the tenants outside it pass [limits.global], which the plan's calls did not spend.
+    assert_eq!(rig.global_tokens(), 100);
+    admitted_now(&rig.decide(&mut acme, &call("x", "search")));
+    assert_eq!(rig.global_tokens(), 99);
+    rig.advance_ms(1000);
+    admitted_now(&rig.decide(&mut initech, &call("i", "search")));
+}
+
+#[test]
+fn reload_rescales_a_plan_global_bucket_and_drops_it_with_the_override() {
+    let rig = Rig::new(PLAN_GLOBAL);
+    let mut globex = rig.engine("globex");
+    admitted_now(&rig.decide(&mut globex, &call("a", "search")));
+    admitted_now(&rig.decide(&mut globex, &call("b", "search")));
+    let reload = |from: &Arc<Config>, to: &str, e: &mut TenantEngine| {
+        let to = Arc::new(cfg(to));
+        rig.shared.reconfigure(from, &to, rig.now());
+        e.set_config(to.clone(), rig.now());
+        to
+    };
+    // A larger burst keeps the two tokens spent: two more fit, not four.
+    let bigger = PLAN_GLOBAL.replace("burst = 2", "burst = 4");
+    let now_cfg = reload(&rig.cfg, &bigger, &mut globex);
+    let mut initech = rig.engine_with(&now_cfg, "initech");
+    admitted_now(&rig.decide(&mut initech, &call("i", "search")));
+    admitted_now(&rig.decide(&mut globex, &call("c", "search")));
+    assert_shed(
+        &rig.decide(&mut initech, &call("j", "search")),
+        Scope::Global,
+        SEC,
+    );
+    // Without the override the plan's tenants pass [limits.global] again (full: 100 tokens).
+    let plain = PLAN_GLOBAL.replace("[plans.free.global]\nburst = 2\n", "[plans.free.subject]\n");
+    reload(&now_cfg, &plain, &mut globex);
+    admitted_now(&rig.decide(&mut globex, &call("d", "search")));
+    assert_eq!(rig.global_tokens(), 99);
 }
 
 #[test]
