@@ -4,7 +4,9 @@
 //! do meanwhile. Every text here therefore says: what limit was hit (in plain words), the wait as a whole
 //! number of seconds (rounded up, never "soon"), that the arguments were fine, not to retry sooner, and a
 //! way forward (carry on with what it has, tell the user what is pending). It names no tenant, subject,
-//! host, address or key: only the tool and the logical upstream name the operator configured.
+//! host, address or key: only the tool and the logical upstream name the operator configured, and
+//! those only when they read as logical names (see [`speakable`]); an upstream called
+//! `10.0.3.7:5432` or `pg.prod.internal` is "the upstream" in the text.
 
 use super::types::Scope;
 
@@ -41,6 +43,28 @@ impl std::fmt::Display for Retry {
     }
 }
 
+/// Whether a configured name may appear in a text for the model: a logical name such as `warehouse`,
+/// `crm_writes` or `get_sales`, not one that reads as a host, an address, a URL, a port or a secret
+/// (operators name upstreams after what they are, and the text must not hand those to the model).
+pub fn speakable(name: &str) -> bool {
+    let logical = !name.is_empty()
+        && name.len() <= 40
+        && name
+            .chars()
+            .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | ' '))
+        && !name.chars().all(|c| c.is_ascii_digit());
+    // A long run of letters and digits mixed is a token or key, not a name.
+    let key_like = name
+        .split(|c: char| !c.is_alphanumeric())
+        .any(|run| run.len() >= 16 && run.chars().filter(char::is_ascii_digit).count() >= 4);
+    logical && !key_like
+}
+
+/// A configured name as the text shows it: itself when [`speakable`], else `generic`.
+fn shown<'a>(name: Option<&'a str>, generic: &'a str) -> &'a str {
+    name.filter(|n| speakable(n)).unwrap_or(generic)
+}
+
 const FORWARD: &str = "Meanwhile, continue with the results you already have, or tell the user that this step is pending.";
 
 /// The short operator-facing reason for a scope.
@@ -67,7 +91,14 @@ const MESSAGE_CAPACITY: usize = 512;
 pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> String {
     use std::fmt::Write;
     let retry = Retry(whole_seconds(retry_after_ms).max(1));
-    let up = cx.upstream.unwrap_or("upstream");
+    let up = shown(cx.upstream, "upstream");
+    // "Other tools that use ___ share this quota."
+    let users = shown(cx.upstream, "the same upstream");
+    let penalised = if cx.shared_upstream {
+        "every account that uses it"
+    } else {
+        "this account"
+    };
     let who = if cx.account_wide {
         "this account"
     } else {
@@ -81,10 +112,14 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
             text,
             "Rate limited: this agent has made too many tool calls in a short time. {retry} {FORWARD}"
         ),
-        Scope::SubjectTool => write!(
+        Scope::SubjectTool if speakable(cx.tool) => write!(
             text,
             "Rate limited: the {} tool has been called too often by this agent. {retry} Other tools are not affected. {FORWARD}",
             cx.tool
+        ),
+        Scope::SubjectTool => write!(
+            text,
+            "Rate limited: this tool has been called too often by this agent. {retry} Other tools are not affected. {FORWARD}"
         ),
         Scope::Tenant => write!(
             text,
@@ -92,11 +127,11 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
         ),
         Scope::TenantUpstream if cx.shared_upstream => write!(
             text,
-            "Rate limited by the {up} quota, which all accounts share. {retry} Other tools that use {up} share this quota. {FORWARD}"
+            "Rate limited by the {up} quota, which all accounts share. {retry} Other tools that use {users} share this quota. {FORWARD}"
         ),
         Scope::TenantUpstream => write!(
             text,
-            "Rate limited by the {up} quota for this account. {retry} Other tools that use {up} share this quota. {FORWARD}"
+            "Rate limited by the {up} quota for this account. {retry} Other tools that use {users} share this quota. {FORWARD}"
         ),
         Scope::Global => write!(
             text,
@@ -112,7 +147,7 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
         ),
         Scope::UpstreamPenalty => write!(
             text,
-            "The {up} service asked for calls to slow down (it is rate limiting this account). {retry} Calls before then will be refused, so retrying sooner cannot help; after the wait, retrying is expected to work. Other tools that use {up} are paused too. {FORWARD}"
+            "The {up} service asked for calls to slow down (it is rate limiting {penalised}). {retry} Calls before then will be refused, so retrying sooner cannot help; after the wait, retrying is expected to work. Other tools that use {users} are paused too. {FORWARD}"
         ),
         Scope::Adaptive => write!(
             text,
@@ -204,6 +239,97 @@ mod tests {
             "{m}"
         );
         assert!(m.contains("Other tools that use warehouse share this quota."));
+    }
+
+    #[test]
+    fn names_that_read_as_hosts_addresses_or_keys_are_not_shown() {
+        for name in [
+            "warehouse",
+            "crm_writes",
+            "openai-gpt4",
+            "Lager Nord",
+            "get_sales",
+        ] {
+            assert!(speakable(name), "{name}");
+        }
+        for name in [
+            "10.0.3.7:5432",
+            "redis://cache.internal:6379",
+            "pg.prod.internal",
+            "api.example.com",
+            "user@host",
+            "::1",
+            "5432",
+            "sk_live_51H8aBcDeFgH1234567",
+            "",
+            "a_name_far_longer_than_any_operator_would_write",
+        ] {
+            assert!(!speakable(name), "{name}");
+        }
+        for (scope, shared) in [
+            (Scope::TenantUpstream, false),
+            (Scope::TenantUpstream, true),
+            (Scope::UpstreamPenalty, false),
+            (Scope::Adaptive, false),
+        ] {
+            for name in [
+                "10.0.3.7:5432",
+                "redis://cache.internal:6379",
+                "pg.prod.internal",
+            ] {
+                let cx = RefusalContext {
+                    upstream: Some(name),
+                    shared_upstream: shared,
+                    ..cx()
+                };
+                let m = message(scope, 4000, &cx);
+                assert!(!m.contains(name), "{scope:?}: {m}");
+                assert!(!m.contains("internal") && !m.contains("10.0"), "{m}");
+                assert!(m.contains("upstream"), "{m}");
+                assert!(m.contains("Wait 4 seconds"), "{m}");
+            }
+        }
+        let m = message(
+            Scope::TenantUpstream,
+            4000,
+            &RefusalContext {
+                upstream: Some("pg.prod.internal"),
+                ..cx()
+            },
+        );
+        assert!(
+            m.contains("Rate limited by the upstream quota for this account.")
+                && m.contains("Other tools that use the same upstream share this quota."),
+            "{m}"
+        );
+        let m = message(
+            Scope::SubjectTool,
+            4000,
+            &RefusalContext {
+                tool: "https://tools.internal/run",
+                ..cx()
+            },
+        );
+        assert!(
+            m.starts_with("Rate limited: this tool has been called too often")
+                && !m.contains("https"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn a_shared_upstream_penalty_says_it_holds_every_account() {
+        let shared = RefusalContext {
+            shared_upstream: true,
+            ..cx()
+        };
+        let m = message(Scope::UpstreamPenalty, 2000, &shared);
+        assert!(
+            m.contains("rate limiting every account that uses it"),
+            "{m}"
+        );
+        let m = message(Scope::UpstreamPenalty, 2000, &cx());
+        assert!(m.contains("(it is rate limiting this account)"), "{m}");
     }
 
     #[test]
