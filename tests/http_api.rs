@@ -334,6 +334,49 @@ fn upstream_429_puts_the_upstream_in_the_penalty_box() {
 }
 
 #[test]
+fn calls_refused_together_by_a_penalty_or_full_slots_are_told_different_times() {
+    // No budget for the upstream: the penalty's hints step by the tenant's refill (600/min: 100 ms).
+    let d = Daemon::start("[server]\nmax_wait = \"0ms\"\n[limits.subject]\nconcurrency = 1\n");
+    let f = d.post(
+        "/v1/feedback",
+        json!({"tenant": "acme", "upstream": "w", "status": 429, "retry_after": "10"}),
+    );
+    assert_eq!(f.status, 202);
+    let hints: Vec<u64> = (0..6)
+        .map(|i| {
+            let mut body = call("acme", &format!("s{i}"), "t");
+            body["upstream"] = json!("w");
+            let a = d.admit(body);
+            assert_eq!(a.body["scope"], "upstream_penalty", "{:?}", a.body);
+            a.body["retry_after_ms"].as_u64().unwrap()
+        })
+        .collect();
+    // About 10 s, 10.1 s, ... (less the time the requests took, plus at most 100 ms of jitter).
+    for (k, h) in hints.iter().enumerate() {
+        let want = 10_000 + 100 * k as u64;
+        assert!((want - 2_000..=want + 100).contains(h), "{k}: {hints:?}");
+    }
+    assert!(
+        hints.last().unwrap() - hints[0] >= 300,
+        "not spread: {hints:?}"
+    );
+
+    // Concurrency: one slot, held; the refusals are told one average hold (1 s) apart.
+    assert_eq!(d.admit(call("acme", "bot", "t")).status, 200);
+    let hints: Vec<u64> = (0..3)
+        .map(|_| {
+            d.admit(call("acme", "bot", "t")).body["retry_after_ms"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    for (k, h) in hints.iter().enumerate() {
+        let want = 1_000 * (k as u64 + 1);
+        assert!((want - 500..=want + 100).contains(h), "{k}: {hints:?}");
+    }
+}
+
+#[test]
 fn penalty_ends_when_retry_after_passes() {
     let d = Daemon::start(UPSTREAMS);
     let a = d.admit(call("acme", "bot", "get_sales"));

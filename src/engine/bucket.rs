@@ -124,6 +124,40 @@ fn promised_slot(promised: Nanos, tat: Nanos, now: Nanos, inc: u64, tau: u64) ->
     promised.max(base).saturating_add(inc).min(limit)
 }
 
+/// The next slot of a [`stagger`]ed hint: `step` after the last slot handed out, but not before
+/// `base` (the first call refused toward it gets `base` itself); starting over at `base` past
+/// `base + window`.
+fn staggered_slot(last: Nanos, base: Nanos, step: u64, window: u64) -> Nanos {
+    let next = last.saturating_add(step).max(base);
+    if next > base.saturating_add(window) {
+        base
+    } else {
+        next
+    }
+}
+
+/// Spreads the retry hints of calls refused by a limit that has no refill of its own to promise
+/// from (a penalty box, concurrency slots): the first call refused toward an instant is told that
+/// instant, each next one `step` later, so that callers who come back as told arrive one by one
+/// instead of together. The spread covers at most `window` and then starts over: a caller that
+/// ignores its hint and comes straight back (a loop) takes a slot every time, and must not push
+/// everyone else's hint further and further out. `last` is the limit's cursor, the last slot handed
+/// out (0: none); returns the slot.
+pub fn stagger(last: &mut Nanos, base: Nanos, step: u64, window: u64) -> Nanos {
+    *last = staggered_slot(*last, base, step, window);
+    *last
+}
+
+/// [`stagger`] on a cursor shared across tenants (a shared upstream's penalty box).
+pub fn stagger_atomic(last: &AtomicU64, base: Nanos, step: u64, window: u64) -> Nanos {
+    let prev = last
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |l| {
+            Some(staggered_slot(l, base, step, window))
+        })
+        .unwrap_or_else(|l| l);
+    staggered_slot(prev, base, step, window)
+}
+
 /// Shortfall in nanoseconds when the bucket is full at `tat`.
 fn shortfall(tat: Nanos, now: Nanos, inc: u64, tau: u64) -> u64 {
     (tat.max(now).saturating_add(inc)).saturating_sub(now.saturating_add(tau))

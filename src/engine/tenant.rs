@@ -32,7 +32,7 @@ use serde::Serialize;
 use smallvec::SmallVec;
 
 use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
-use super::bucket::{AtomicBucket, Bucket, Gcra, Take};
+use super::bucket::{stagger, stagger_atomic, AtomicBucket, Bucket, Gcra, Take, PROMISE_HORIZON};
 use super::leases::Leases;
 use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
@@ -178,6 +178,8 @@ struct SubjectState {
     tools: Vec<(Arc<str>, Bucket)>,
     inflight: u32,
     quota: QuotaCounter,
+    /// The last retry slot handed to a call refused for want of this subject's concurrency slots.
+    slot_stagger: Nanos,
 }
 
 impl SubjectState {
@@ -190,6 +192,7 @@ impl SubjectState {
             tools: Vec::new(),
             inflight: 0,
             quota: QuotaCounter::default(),
+            slot_stagger: 0,
         }
     }
 
@@ -221,6 +224,8 @@ struct UpstreamState {
     fair: Bucket,
     /// Per-tenant penalty box (upstreams that are not shared).
     penalty_until: Nanos,
+    /// The last retry slot handed to a call the penalty box refused (see [`stagger`]).
+    penalty_stagger: Nanos,
     /// AIMD multiplier of the configured rate (upstreams that are not shared).
     multiplier: f64,
     /// When the last 429 arrived; a cut is forgotten once no 429 came for the adaptive window.
@@ -242,6 +247,7 @@ impl Default for UpstreamState {
             bucket: Bucket::default(),
             fair: Bucket::default(),
             penalty_until: 0,
+            penalty_stagger: 0,
             multiplier: 1.0,
             last_429: 0,
             sre: SreWindow::default(),
@@ -434,6 +440,8 @@ pub struct TenantEngine {
     global_promised: Nanos,
     /// Moving average of how long leases are held, for concurrency retry hints.
     hold_avg_ns: Option<f64>,
+    /// The last retry slot handed to a call refused for want of the tenant's concurrency slots.
+    slot_stagger: Nanos,
     last_active: Nanos,
 }
 
@@ -460,6 +468,7 @@ impl TenantEngine {
             next_id,
             rng,
             hold_avg_ns: None,
+            slot_stagger: 0,
             last_active: 0,
         }
     }
@@ -931,7 +940,7 @@ impl TenantEngine {
                 deadline,
             };
         }
-        let shed = self.concurrency_shed(&r);
+        let shed = self.concurrency_shed(&r, now);
         AdmitResult::Decided(self.refuse(r, &plan, shed, now))
     }
 
@@ -1110,9 +1119,58 @@ impl TenantEngine {
             .map(|(u, left)| (u.clone(), left))
     }
 
+    /// Refuses a call to an upstream in the penalty box. The first call refused is told the penalty's
+    /// end; each next one is told one refill step of the upstream's budget later (of the tenant's,
+    /// when the upstream has none), so the calls that wait as told reach the recovering upstream one
+    /// by one instead of all at the instant it said (over at most the penalty's length, then starting
+    /// over).
     fn penalty(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
         let (up, left) = self.longest_penalty(r, now)?;
-        Some(self.make_shed(r, Some(&up), Scope::UpstreamPenalty, left))
+        let end = now.saturating_add(left);
+        let step = self.penalty_step(r, &up);
+        let shared = self
+            .shared
+            .upstream(&up)
+            .filter(|_| self.is_shared_upstream(Some(&up)));
+        // Spread over at most the penalty's own length (at least a second).
+        let window = left.clamp(NS_PER_SEC, PROMISE_HORIZON);
+        let slot = match shared {
+            Some(s) => stagger_atomic(&s.penalty_stagger, end, step, window),
+            None => stagger(
+                &mut self.upstream_mut(&up).penalty_stagger,
+                end,
+                step,
+                window,
+            ),
+        };
+        Some(self.make_shed(r, Some(&up), Scope::UpstreamPenalty, slot - now))
+    }
+
+    /// The time the budget a penalised call will spend on `up` takes to refill that call's tokens:
+    /// the upstream's own (at its AIMD-cut rate), else the tenant's; at least 1 ms.
+    fn penalty_step(&self, r: &Resolved, up: &Arc<str>) -> u64 {
+        let units = r
+            .upstreams
+            .iter()
+            .find(|(u, _)| u == up)
+            .map_or(1.0, |(_, x)| *x);
+        let bucket = self.policy.upstream(up).and_then(|c| c.bucket);
+        let rate = match bucket {
+            Some(b) => {
+                let m = match self.shared.upstream(up) {
+                    Some(s) if self.is_shared_upstream(Some(up)) => s.multiplier(),
+                    _ => self.upstreams.get(up).map_or(1.0, |u| u.multiplier),
+                };
+                b.rate.per_sec * m
+            }
+            None => self.policy.limits.tenant.bucket.rate.per_sec,
+        };
+        let secs = r.cost * units / rate;
+        if secs.is_finite() {
+            ((secs * NS_PER_SEC as f64) as u64).clamp(NS_PER_MS, PROMISE_HORIZON)
+        } else {
+            PROMISE_HORIZON
+        }
     }
 
     /// Google SRE client-side throttling, per upstream the call spends.
@@ -1206,23 +1264,43 @@ impl TenantEngine {
         self.inflight = self.inflight.saturating_sub(1);
     }
 
-    fn concurrency_shed(&mut self, r: &Resolved) -> Shed {
-        let hint = self
+    /// Refuses a call for want of a concurrency slot. The first call refused is told the average time
+    /// a call holds its slot; each next one, refused before that time, is told one slot's worth later
+    /// (the average hold over the number of slots), so the callers who wait as told take the slots
+    /// one by one as they free instead of coming back together (over at most four average holds,
+    /// then starting over).
+    fn concurrency_shed(&mut self, r: &Resolved, now: Nanos) -> Shed {
+        let hold = self
             .hold_avg_ns
             .map_or(DEFAULT_HOLD_HINT_NS, |h| h as u64)
             .clamp(100 * NS_PER_MS, 60 * NS_PER_SEC);
-        let subject_full = self.policy.limits.subject.concurrency.is_some_and(|c| {
+        let limits = &self.policy.limits;
+        let subject_limit = limits.subject.concurrency.filter(|&c| {
             self.subjects
                 .get(&*r.subject)
                 .is_some_and(|s| s.inflight >= c)
         });
+        let tenant_limit = limits.tenant.concurrency;
+        let cursor = match (subject_limit, self.subjects.get_mut(&*r.subject)) {
+            (Some(_), Some(s)) => &mut s.slot_stagger,
+            _ => &mut self.slot_stagger,
+        };
+        let slots = subject_limit.or(tenant_limit).unwrap_or(1).max(1);
+        // Spread over at most four average holds (at least a second).
+        let window = (4 * hold).clamp(NS_PER_SEC, PROMISE_HORIZON);
+        let slot = stagger(
+            cursor,
+            now.saturating_add(hold),
+            hold / slots as u64,
+            window,
+        );
         let upstream = r.upstream.clone();
         self.shed_by(
             r,
             upstream.as_deref(),
             Scope::Concurrency,
-            hint,
-            !subject_full,
+            slot - now,
+            subject_limit.is_none(),
         )
     }
 
@@ -1700,7 +1778,7 @@ impl TenantEngine {
 
     fn waiter_timed_out(&mut self, r: Resolved, now: Nanos) -> Decision {
         let plan = self.plan(&r);
-        let shed = self.concurrency_shed(&r);
+        let shed = self.concurrency_shed(&r, now);
         self.refuse(r, &plan, shed, now)
     }
 

@@ -450,10 +450,10 @@ fn subject_concurrency_sheds_with_scope_concurrency() {
 
     rig.advance_ms(200);
     rig.release_ok(&mut e, l1);
-    let _l2 = admitted_now(&rig.decide(&mut e, &call("a", "search")));
-    // now the hint is how long leases are held (200 ms so far)
+    let _l2 = admitted_now(&rig.decide(&mut e, &call("c", "search")));
+    // now the hint is how long leases are held (200 ms so far); c's first refusal, so not staggered
     assert_shed(
-        &rig.decide(&mut e, &call("a", "search")),
+        &rig.decide(&mut e, &call("c", "search")),
         Scope::Concurrency,
         200 * MS,
     );
@@ -871,12 +871,61 @@ fn the_queue_is_bounded_and_a_zero_wait_never_queues() {
         SEC,
     );
     rig.queue(&mut e, &call("a", "search").wait_ms(1000));
+    // refused at the same moment as the first: told one slot (one average hold) later
     assert_shed(
         &rig.decide(&mut e, &call("a", "search").wait_ms(1000)),
         Scope::Concurrency,
-        SEC,
+        2 * SEC,
     );
     assert_eq!(rig.snap(&e).waiting, 1);
+}
+
+#[test]
+fn concurrency_hints_are_staggered_one_slot_apart_and_start_over_after_four_holds() {
+    // Two slots, no lease finished yet (the average hold is the 1 s default): slots free about
+    // every 500 ms, so the refused calls are told 1 s, 1.5 s, 2 s, ... up to 1 s + 4 holds.
+    let rig = Rig::new("[limits.subject]\nconcurrency = 2\n");
+    let mut e = rig.engine("acme");
+    admitted_now(&rig.decide(&mut e, &call("a", "search")));
+    admitted_now(&rig.decide(&mut e, &call("a", "search")));
+    for k in 0..=8 {
+        let d = rig.decide(&mut e, &call("a", "search"));
+        assert_shed(&d, Scope::Concurrency, SEC + k * 500 * MS);
+    }
+    // The ninth slot would be past the window: a loop starts the spread over instead of pushing it out.
+    assert_shed(
+        &rig.decide(&mut e, &call("a", "search")),
+        Scope::Concurrency,
+        SEC,
+    );
+    // Another subject's refusals are its own: its first is told the average hold.
+    admitted_now(&rig.decide(&mut e, &call("b", "search")));
+    admitted_now(&rig.decide(&mut e, &call("b", "search")));
+    assert_shed(
+        &rig.decide(&mut e, &call("b", "search")),
+        Scope::Concurrency,
+        SEC,
+    );
+    // Once the slots handed out are in the past, the spread starts from the current estimate.
+    rig.advance_ms(6_000);
+    assert_shed(
+        &rig.decide(&mut e, &call("a", "search")),
+        Scope::Concurrency,
+        SEC,
+    );
+}
+
+#[test]
+fn tenant_concurrency_hints_are_staggered_across_its_subjects() {
+    let rig = Rig::new("[limits.tenant]\nconcurrency = 4\n");
+    let mut e = rig.engine("acme");
+    for s in ["a", "b", "c", "d"] {
+        admitted_now(&rig.decide(&mut e, &call(s, "search")));
+    }
+    for (k, s) in ["e", "f", "g"].into_iter().enumerate() {
+        let d = rig.decide(&mut e, &call(s, "search"));
+        assert_shed(&d, Scope::Concurrency, SEC + k as u64 * 250 * MS);
+    }
 }
 
 // ---- 5. lease expiry --------------------------------------------------------------------------------
@@ -988,6 +1037,9 @@ fn release_with(
 }
 
 /// Asserts that `tool` is in the penalty box of `e` for exactly `left_ns` more, then out of it.
+/// Asserts the penalty box refuses `tool` for `left_ns` more and then lets it through: the first call
+/// refused is told the penalty's end; the next, refused 1 ms before the end, is told a refill step of
+/// the upstream's budget after it (see `penalty_hints_are_staggered_along_the_upstreams_refill`).
 fn assert_penalised_for(rig: &Rig, e: &mut TenantEngine, tool: &str, left_ns: u64) {
     let t = rig.now();
     assert_shed(
@@ -996,7 +1048,12 @@ fn assert_penalised_for(rig: &Rig, e: &mut TenantEngine, tool: &str, left_ns: u6
         left_ns,
     );
     rig.advance_to(t + left_ns - MS);
-    assert_shed(&rig.decide(e, &call("a", tool)), Scope::UpstreamPenalty, MS);
+    let next = shed(&rig.decide(e, &call("a", tool))).clone();
+    assert_eq!(next.scope, Scope::UpstreamPenalty);
+    assert!(
+        (2..=1 + 100).contains(&next.retry_after_ms),
+        "1 ms to the end plus one step: {next:?}"
+    );
     rig.advance_to(t + left_ns);
     admitted_now(&rig.decide(e, &call("a", tool)));
 }
@@ -1119,6 +1176,65 @@ fn feedback_429_penalises_and_never_shortens_a_longer_penalty() {
         Some(Duration::from_secs(1))
     );
     assert_penalised_for(&rig, &mut e, "get_sales", SEC);
+}
+
+#[test]
+fn penalty_hints_are_staggered_along_the_upstreams_refill() {
+    // warehouse refills 100/s, halved by the 429 to 50/s: the calls refused during the penalty are
+    // told its end, then 20 ms apart, so they reach the upstream one by one when it recovers.
+    let rig = Rig::new(PENALTY_CFG);
+    let mut e = rig.engine("acme");
+    let up: Arc<str> = Arc::from("warehouse");
+    e.feedback(&up, 429, Some(Duration::from_secs(10)), rig.now());
+    let hints: Vec<u64> = (0..6u64)
+        .map(|k| {
+            let d = rig.decide(&mut e, &call(&format!("s{k}"), "get_sales"));
+            assert_shed(&d, Scope::UpstreamPenalty, 10 * SEC + k * 20 * MS);
+            shed(&d).retry_after_ms
+        })
+        .collect();
+    let distinct: std::collections::BTreeSet<_> = hints.iter().collect();
+    assert!(distinct.len() >= 5, "hints collide: {hints:?}");
+    // A call that costs 5 takes five steps of the refill.
+    let d = rig.decide(&mut e, &call("big", "get_sales").cost(5.0));
+    assert_shed(
+        &d,
+        Scope::UpstreamPenalty,
+        10 * SEC + 6 * 20 * MS + 100 * MS,
+    );
+}
+
+#[test]
+fn a_shared_upstream_staggers_its_penalty_hints_across_tenants() {
+    // maps is shared (100/s, halved to 50/s by the 429): acme's and globex's refused calls take
+    // turns on one schedule.
+    let rig = Rig::new(PENALTY_CFG);
+    let mut acme = rig.engine("acme");
+    let mut globex = rig.engine("globex");
+    let up: Arc<str> = Arc::from("maps");
+    acme.feedback(&up, 429, Some(Duration::from_secs(5)), rig.now());
+    for k in 0..4u64 {
+        let e = if k % 2 == 0 { &mut acme } else { &mut globex };
+        let d = rig.decide(e, &call("a", "geocode"));
+        assert_shed(&d, Scope::UpstreamPenalty, 5 * SEC + k * 20 * MS);
+    }
+}
+
+#[test]
+fn without_an_upstream_budget_penalty_hints_follow_the_tenants_refill_and_start_over() {
+    // No budget for the upstream: the step is the tenant's (600/min, 100 ms a call). The spread
+    // covers the penalty's length (1 s here) and then starts over, so a loop of refusals cannot
+    // push the hints of others further and further out.
+    let rig = Rig::new("[limits.tenant]\nrate = \"600/min\"\nburst = 1000\n");
+    let mut e = rig.engine("acme");
+    let up: Arc<str> = Arc::from("crm");
+    e.feedback(&up, 429, Some(Duration::from_secs(1)), rig.now());
+    for k in 0..=10u64 {
+        let d = rig.decide(&mut e, &call("a", "t").up("crm"));
+        assert_shed(&d, Scope::UpstreamPenalty, SEC + k * 100 * MS);
+    }
+    let d = rig.decide(&mut e, &call("a", "t").up("crm"));
+    assert_shed(&d, Scope::UpstreamPenalty, SEC);
 }
 
 #[test]
