@@ -3,9 +3,9 @@
 //! Parsing happens in two steps. Serde reads the file into `Raw*` structs that keep the byte span of every
 //! value (`toml::Spanned`) and refuse unknown keys; validation then turns them into the typed [`Config`]
 //! the engine uses. Every error — TOML syntax, an unknown key, a value out of range, a dangling plan name
-//! — is reported as `FILE:LINE: message` for the first problem, so an operator can fix it without
-//! guessing. The same path serves `admitd check`, startup and reload, so a file that passes `check` is
-//! exactly a file the daemon accepts.
+//! — is reported as `FILE:LINE: message` for the first problem (the one on the lowest line, whatever
+//! section it is in), so an operator can fix it without guessing. The same path serves `admitd check`,
+//! startup and reload, so a file that passes `check` is exactly a file the daemon accepts.
 
 pub mod units;
 
@@ -744,40 +744,38 @@ impl Validator<'_> {
 
     /// Refuses the keys a global layer (`[limits.global]`, `[plans.NAME.global]`) cannot have.
     fn rate_backstop_only(&self, section: &str, raw: &RawLayer) -> Result<(), ConfigError> {
-        for (key, span) in [
+        let unsupported = earliest([
             ("concurrency", raw.concurrency.as_ref().map(|v| v.span())),
             ("daily_quota", raw.daily_quota.as_ref().map(|v| v.span())),
-        ] {
-            if let Some(at) = span {
-                return self.err(at, format!("{section}.{key} is not supported: the global layer is a rate backstop only; set {key} in [limits.subject] or [limits.tenant]"));
-            }
+        ]);
+        match unsupported {
+            Some((key, at)) => self.err(at, format!("{section}.{key} is not supported: the global layer is a rate backstop only; set {key} in [limits.subject] or [limits.tenant]")),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn layer_override(&self, section: &str, raw: &RawLayer) -> Result<LayerOverride, ConfigError> {
-        Ok(LayerOverride {
-            rate: match &raw.rate {
-                Some(r) => Some(self.rate(&format!("{section}.rate"), r)?),
-                None => None,
-            },
-            burst: match &raw.burst {
-                Some(b) => Some(self.positive(&format!("{section}.burst"), b, 1.0)?),
-                None => None,
-            },
-            concurrency: match &raw.concurrency {
-                Some(c) => {
-                    Some(self.count(&format!("{section}.concurrency"), c, 1, 1_000_000)? as u32)
-                }
-                None => None,
-            },
-            daily_quota: match &raw.daily_quota {
-                Some(q) => {
-                    Some(self.positive(&format!("{section}.daily_quota"), q, f64::MIN_POSITIVE)?)
-                }
-                None => None,
-            },
-        })
+        // The keys are independent: the one with a problem earliest in the file is reported.
+        let mut first = FirstProblem::default();
+        let over = LayerOverride {
+            rate: raw
+                .rate
+                .as_ref()
+                .and_then(|r| first.note(self.rate(&format!("{section}.rate"), r))),
+            burst: raw
+                .burst
+                .as_ref()
+                .and_then(|b| first.note(self.positive(&format!("{section}.burst"), b, 1.0))),
+            concurrency: raw.concurrency.as_ref().and_then(|c| {
+                let c = self.count(&format!("{section}.concurrency"), c, 1, 1_000_000);
+                first.note(c).map(|c| c as u32)
+            }),
+            daily_quota: raw.daily_quota.as_ref().and_then(|q| {
+                let q = self.positive(&format!("{section}.daily_quota"), q, f64::MIN_POSITIVE);
+                first.note(q)
+            }),
+        };
+        first.or(over)
     }
 
     /// A bucket from optional `rate` and `burst`: both absent is no bucket; a rate alone gets a burst of
@@ -897,19 +895,18 @@ impl Validator<'_> {
                 out.reserved_for_batch = reserved;
             }
             None => {
-                for (key, v) in [
+                let needs_published = earliest([
                     ("headroom", u.headroom.as_ref().map(|v| v.span())),
                     (
                         "reserved_for_batch",
                         u.reserved_for_batch.as_ref().map(|v| v.span()),
                     ),
-                ] {
-                    if let Some(at) = v {
-                        return self.err(
-                            at,
-                            format!("{section}.{key} needs {section}.published_limit"),
-                        );
-                    }
+                ]);
+                if let Some((key, at)) = needs_published {
+                    return self.err(
+                        at,
+                        format!("{section}.{key} needs {section}.published_limit"),
+                    );
                 }
                 out.bucket = self.optional_bucket(section, span.clone(), &u.rate, &u.burst)?;
             }
@@ -971,346 +968,449 @@ impl Validator<'_> {
         Ok(out)
     }
 
+    /// Validates the whole file. Each independent item (the server table, each `[limits.*]` layer, each
+    /// plan, tenant, tool and upstream, the telemetry and alerts tables) is checked up to its first
+    /// problem, and of those the one on the lowest line is reported: the order the sections are checked
+    /// in here is not the order an operator reads the file in.
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let mut cfg = Config::default();
+        let mut first = FirstProblem::default();
 
         if let Some(s) = raw.server {
-            if let Some(v) = s.listen {
-                cfg.server.listen = match v.get_ref().parse() {
-                    Ok(a) => a,
-                    Err(_) => {
-                        return self.err(
-                            v.span(),
-                            format!(
-                                "server.listen: {:?} is not an address such as \"127.0.0.1:9470\"",
-                                v.get_ref()
-                            ),
-                        )
-                    }
-                };
-            }
-            if let Some(v) = s.mode {
-                cfg.server.mode = match v.get_ref().as_str() {
-                    "enforce" => Mode::Enforce,
-                    "shadow" => Mode::Shadow,
-                    other => {
-                        return self.err(
-                            v.span(),
-                            format!("server.mode must be \"enforce\" or \"shadow\", not {other:?}"),
-                        )
-                    }
-                };
-            }
-            if let Some(v) = s.max_wait {
-                cfg.server.max_wait =
-                    self.duration("server.max_wait", &v, Duration::from_secs(300))?;
-            }
-            if let Some(v) = s.lease_ttl {
-                cfg.server.lease_ttl =
-                    self.duration("server.lease_ttl", &v, Duration::from_secs(7 * 86_400))?;
-                if cfg.server.lease_ttl.is_zero() {
-                    return self.err(v.span(), "server.lease_ttl must be longer than 0");
-                }
-            }
-            if let Some(v) = s.idle_ttl {
-                cfg.server.idle_ttl =
-                    self.duration("server.idle_ttl", &v, Duration::from_secs(86_400))?;
-            }
-            if let Some(v) = s.workers {
-                cfg.server.workers = self.count("server.workers", &v, 0, 256)? as usize;
-            }
-            if let Some(v) = s.max_queue {
-                cfg.server.max_queue = self.count("server.max_queue", &v, 0, 1_000_000)? as usize;
-            }
+            first.note(self.server(s, &mut cfg.server));
         }
 
-        if let Some(l) = raw.limits {
-            for (name, layer, target) in [
-                ("limits.subject", l.subject, &mut cfg.limits.subject),
-                ("limits.tenant", l.tenant, &mut cfg.limits.tenant),
-                ("limits.global", l.global, &mut cfg.limits.global),
-            ] {
-                if let Some(layer) = layer {
-                    if name == "limits.global" {
-                        self.rate_backstop_only(name, &layer)?;
-                    }
-                    *target = self.layer_override(name, &layer)?.apply(target);
-                    if let Some(at) = layer_span(&layer) {
-                        self.refill_fits(name, at, target.bucket, 1.0)?;
-                    }
-                }
-            }
-        }
+        // Whether each layer is free of problems: plans are measured only against layers that are.
+        let mut layer = |name: &str, raw: Option<RawLayer>, target: &mut LayerLimits| {
+            raw.is_none_or(|raw| first.note(self.limits_layer(name, &raw, target)).is_some())
+        };
+        let l = raw.limits.unwrap_or_default();
+        let subject_ok = layer("limits.subject", l.subject, &mut cfg.limits.subject);
+        let tenant_ok = layer("limits.tenant", l.tenant, &mut cfg.limits.tenant);
+        let global_ok = layer("limits.global", l.global, &mut cfg.limits.global);
 
-        for (name, plan) in raw.plans.unwrap_or_default() {
-            let span = plan.span();
-            let key = self.name("plan", &name, span)?;
-            let p = plan.into_inner();
-            let weight = match &p.weight {
-                Some(w) => self.positive(&format!("plans.{name}.weight"), w, 0.001)?,
-                None => 1.0,
-            };
-            let plan = Plan {
-                weight,
-                subject: match &p.subject {
-                    Some(l) => self.layer_override(&format!("plans.{name}.subject"), l)?,
-                    None => LayerOverride::default(),
-                },
-                tenant: match &p.tenant {
-                    Some(l) => self.layer_override(&format!("plans.{name}.tenant"), l)?,
-                    None => LayerOverride::default(),
-                },
-                global: match &p.global {
-                    Some(l) => {
-                        let section = format!("plans.{name}.global");
-                        self.rate_backstop_only(&section, l)?;
-                        self.layer_override(&section, l)?
-                    }
-                    None => LayerOverride::default(),
-                },
-            };
-            for (layer, raw, over, base) in [
-                ("subject", &p.subject, &plan.subject, &cfg.limits.subject),
-                ("tenant", &p.tenant, &plan.tenant, &cfg.limits.tenant),
-                ("global", &p.global, &plan.global, &cfg.limits.global),
-            ] {
-                if let Some(at) = raw.as_ref().and_then(layer_span) {
-                    let section = format!("plans.{name}.{layer}");
-                    self.refill_fits(&section, at, over.apply(base).bucket, 1.0)?;
-                }
-            }
-            cfg.plans.insert(key, plan);
-        }
-
-        for (name, tenant) in raw.tenants.unwrap_or_default() {
-            let key = self.name("tenant", &name, tenant.span())?;
-            let t = tenant.into_inner();
-            let plan = match t.plan {
-                Some(p) => {
-                    if !cfg.plans.contains_key(p.get_ref()) {
-                        let mut known: Vec<_> = cfg.plans.keys().cloned().collect();
-                        known.sort();
-                        let known = if known.is_empty() {
-                            "no plans are defined".to_string()
-                        } else {
-                            format!("defined plans: {}", known.join(", "))
-                        };
-                        return self.err(
-                            p.span(),
-                            format!(
-                                "tenants.{name}.plan: unknown plan {:?} ({known})",
-                                p.get_ref()
-                            ),
-                        );
-                    }
-                    Some(p.into_inner())
-                }
-                None => None,
-            };
-            cfg.tenants.insert(key, TenantConfig { plan });
-        }
-
-        for (name, tool) in raw.tools.unwrap_or_default() {
-            let span = tool.span();
-            let key = self.name("tool", &name, span.clone())?;
-            let t = tool.into_inner();
-            let section = format!("tools.{name}");
-            let cost = match &t.cost {
-                Some(c) => Some(self.positive(&format!("{section}.cost"), c, f64::MIN_POSITIVE)?),
-                None => None,
-            };
-            let upstream = match &t.upstream {
-                Some(u) => {
-                    Some(self.name(&format!("{section}.upstream"), u.get_ref(), u.span())?)
-                }
-                None => None,
-            };
-            let mut upstreams = Vec::new();
-            if let Some(map) = &t.upstreams {
-                if let Some(u) = &t.upstream {
-                    return self.err(
-                        u.span(),
-                        format!("{section}: set either upstream or upstreams, not both"),
-                    );
-                }
-                if map.get_ref().is_empty() {
-                    return self.err(
-                        map.span(),
-                        format!("{section}.upstreams is empty; list at least one upstream"),
-                    );
-                }
-                for (up, units) in map.get_ref() {
-                    let up = self.name(&format!("{section}.upstreams"), up, units.span())?;
-                    let units = self.positive(
-                        &format!("{section}.upstreams.{up}"),
-                        units,
-                        f64::MIN_POSITIVE,
-                    )?;
-                    upstreams.push((up, units));
-                }
-            } else if let Some(u) = &upstream {
-                upstreams.push((u.clone(), 1.0));
-            }
-            let bucket = self.optional_bucket(&section, span, &t.rate, &t.burst)?;
-            cfg.tools.insert(
-                key,
-                ToolConfig {
-                    cost,
-                    upstream,
-                    upstreams,
-                    bucket,
-                },
-            );
-        }
-
-        for (name, up) in raw.upstreams.unwrap_or_default() {
-            let span = up.span();
-            let key = self.name("upstream", &name, span.clone())?;
-            let u = up.into_inner();
-            let section = format!("upstreams.{name}");
-            cfg.upstreams
-                .insert(key, self.upstream(&section, span, &u)?);
-        }
+        let plans = raw.plans.unwrap_or_default();
+        let subject_base = subject_ok.then_some(&cfg.limits.subject);
+        let tenant_base = tenant_ok.then_some(&cfg.limits.tenant);
+        let global_base = global_ok.then_some(&cfg.limits.global);
+        cfg.plans = first.each(&plans, |name, plan| {
+            self.plan(name, plan, subject_base, tenant_base, global_base)
+        });
+        cfg.tenants = first.each(&raw.tenants.unwrap_or_default(), |name, tenant| {
+            self.tenant(name, tenant, &plans)
+        });
+        cfg.tools = first.each(&raw.tools.unwrap_or_default(), |name, tool| {
+            self.tool(name, tool)
+        });
+        cfg.upstreams = first.each(&raw.upstreams.unwrap_or_default(), |name, up| {
+            self.name("upstream", name, up.span())?;
+            self.upstream(&format!("upstreams.{name}"), up.span(), up.get_ref())
+        });
 
         if let Some(t) = raw.telemetry {
-            if let Some(v) = t.enabled {
-                cfg.telemetry.enabled = v;
-            }
-            if let Some(v) = t.max_subjects_total {
-                cfg.telemetry.max_subjects_total =
-                    self.count("telemetry.max_subjects_total", &v, 0, 10_000_000)? as usize;
-            }
-            if let Some(v) = t.max_subjects_per_tenant {
-                cfg.telemetry.max_subjects_per_tenant =
-                    self.count("telemetry.max_subjects_per_tenant", &v, 0, 1_000_000)? as usize;
-            }
-            if let Some(v) = t.refusal_log_per_sec {
-                cfg.telemetry.refusal_log_per_sec =
-                    self.positive("telemetry.refusal_log_per_sec", &v, 0.0)?;
-            }
-            if let Some(o) = t.otlp {
-                let endpoint = match o.endpoint {
-                    Some(e) => {
-                        let s = e.get_ref().trim();
-                        if !(s.starts_with("http://") || s.starts_with("https://")) {
-                            return self.err(e.span(), format!("telemetry.otlp.endpoint must be an http:// or https:// URL, not {s:?}"));
-                        }
-                        Some(s.to_string())
-                    }
-                    None => None,
-                };
-                if endpoint.is_none() {
-                    let set = o
-                        .service_name
-                        .as_ref()
-                        .map(|s| s.span())
-                        .or_else(|| o.sample_ratio.as_ref().map(|r| r.span()))
-                        .or_else(|| o.max_spans_per_second.as_ref().map(|r| r.span()))
-                        .or_else(|| o.protocol.as_ref().map(|r| r.span()));
-                    if let Some(span) = set {
-                        return self.err(span, "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
-                    }
-                }
-                let sample_ratio = match o.sample_ratio {
-                    Some(v) => {
-                        let r = *v.get_ref();
-                        if !(0.0..=1.0).contains(&r) {
-                            return self.err(
-                                v.span(),
-                                format!(
-                                    "telemetry.otlp.sample_ratio must be between 0 and 1, not {r}"
-                                ),
-                            );
-                        }
-                        r
-                    }
-                    None => 1.0,
-                };
-                let max_spans_per_second = match o.max_spans_per_second {
-                    Some(v) => {
-                        self.count("telemetry.otlp.max_spans_per_second", &v, 0, 10_000_000)? as u32
-                    }
-                    None => DEFAULT_MAX_SPANS_PER_SECOND,
-                };
-                let protocol = match o.protocol {
-                    Some(v) => {
-                        let name = v.get_ref().trim();
-                        match OtlpProtocol::ALL.into_iter().find(|p| p.as_str() == name) {
-                            Some(p) => p,
-                            None => {
-                                return self.err(
-                                    v.span(),
-                                    format!(
-                                        "telemetry.otlp.protocol must be \"http/protobuf\", \"http/json\" or \"grpc\", not {name:?}"
-                                    ),
-                                )
-                            }
-                        }
-                    }
-                    None => OtlpProtocol::default(),
-                };
-                let service_name = o
-                    .service_name
-                    .map(|s| s.into_inner())
-                    .unwrap_or_else(|| "admitd".to_string());
-                cfg.telemetry.otlp = endpoint.map(|endpoint| OtlpConfig {
-                    endpoint,
-                    service_name,
-                    sample_ratio,
-                    max_spans_per_second,
-                    protocol,
-                });
-            }
+            first.note(self.telemetry(t, &mut cfg.telemetry));
+        }
+        if let Some(a) = raw.alerts {
+            first.note(self.alerts(a, &mut cfg.alerts));
         }
 
-        if let Some(a) = raw.alerts {
-            if let Some(v) = a.shed_ratio {
-                let r = *v.get_ref();
-                if !(r > 0.0 && r < 1.0) {
-                    return self.err(
-                        v.span(),
-                        format!("alerts.shed_ratio must be between 0 and 1 (exclusive), not {r}"),
-                    );
-                }
-                cfg.alerts.shed_ratio = r;
-                cfg.alerts.clear_ratio = r * 0.8;
-            }
-            if let Some(v) = a.clear_ratio {
-                let r = *v.get_ref();
-                if !(r >= 0.0 && r <= cfg.alerts.shed_ratio) {
-                    return self.err(v.span(), format!("alerts.clear_ratio must be between 0 and alerts.shed_ratio ({}), not {r}", cfg.alerts.shed_ratio));
-                }
-                cfg.alerts.clear_ratio = r;
-            }
-            if let Some(v) = a.window {
-                cfg.alerts.window =
-                    self.duration("alerts.window", &v, Duration::from_secs(86_400))?;
-                if cfg.alerts.window < Duration::from_secs(1) {
-                    return self.err(v.span(), "alerts.window must be at least 1s");
-                }
-            }
-            if let Some(v) = a.for_ {
-                cfg.alerts.for_ = self.duration("alerts.for", &v, Duration::from_secs(86_400))?;
-            }
-            if let Some(v) = a.min_calls {
-                cfg.alerts.min_calls = self.count("alerts.min_calls", &v, 0, i64::MAX)? as u64;
-            }
-            if let Some(v) = a.alertmanager_url {
-                let s = v.get_ref().trim().trim_end_matches('/');
-                if !(s.starts_with("http://") || s.starts_with("https://")) {
+        first.or(cfg)
+    }
+
+    /// `[server]`, over the defaults in `out`.
+    fn server(&self, s: RawServer, out: &mut ServerConfig) -> Result<(), ConfigError> {
+        if let Some(v) = s.listen {
+            out.listen = match v.get_ref().parse() {
+                Ok(a) => a,
+                Err(_) => {
                     return self.err(
                         v.span(),
                         format!(
-                            "alerts.alertmanager_url must be an http:// or https:// URL, not {s:?}"
+                            "server.listen: {:?} is not an address such as \"127.0.0.1:9470\"",
+                            v.get_ref()
+                        ),
+                    )
+                }
+            };
+        }
+        if let Some(v) = s.mode {
+            out.mode = match v.get_ref().as_str() {
+                "enforce" => Mode::Enforce,
+                "shadow" => Mode::Shadow,
+                other => {
+                    return self.err(
+                        v.span(),
+                        format!("server.mode must be \"enforce\" or \"shadow\", not {other:?}"),
+                    )
+                }
+            };
+        }
+        if let Some(v) = s.max_wait {
+            out.max_wait = self.duration("server.max_wait", &v, Duration::from_secs(300))?;
+        }
+        if let Some(v) = s.lease_ttl {
+            out.lease_ttl =
+                self.duration("server.lease_ttl", &v, Duration::from_secs(7 * 86_400))?;
+            if out.lease_ttl.is_zero() {
+                return self.err(v.span(), "server.lease_ttl must be longer than 0");
+            }
+        }
+        if let Some(v) = s.idle_ttl {
+            out.idle_ttl = self.duration("server.idle_ttl", &v, Duration::from_secs(86_400))?;
+        }
+        if let Some(v) = s.workers {
+            out.workers = self.count("server.workers", &v, 0, 256)? as usize;
+        }
+        if let Some(v) = s.max_queue {
+            out.max_queue = self.count("server.max_queue", &v, 0, 1_000_000)? as usize;
+        }
+        Ok(())
+    }
+
+    /// One `[limits.*]` layer, over the defaults in `target`.
+    fn limits_layer(
+        &self,
+        name: &str,
+        layer: &RawLayer,
+        target: &mut LayerLimits,
+    ) -> Result<(), ConfigError> {
+        if name == "limits.global" {
+            self.rate_backstop_only(name, layer)?;
+        }
+        *target = self.layer_override(name, layer)?.apply(target);
+        if let Some(at) = layer_span(layer) {
+            self.refill_fits(name, at, target.bucket, 1.0)?;
+        }
+        Ok(())
+    }
+
+    /// `[plans.NAME]`. Each layer it overrides is measured against its base in `[limits.*]`, unless
+    /// that base is `None` because it has a problem of its own (which is reported instead).
+    fn plan(
+        &self,
+        name: &str,
+        plan: &S<RawPlan>,
+        subject_base: Option<&LayerLimits>,
+        tenant_base: Option<&LayerLimits>,
+        global_base: Option<&LayerLimits>,
+    ) -> Result<Plan, ConfigError> {
+        let span = plan.span();
+        self.name("plan", name, span)?;
+        let p = plan.get_ref();
+        let weight = match &p.weight {
+            Some(w) => self.positive(&format!("plans.{name}.weight"), w, 0.001)?,
+            None => 1.0,
+        };
+        let plan = Plan {
+            weight,
+            subject: match &p.subject {
+                Some(l) => self.layer_override(&format!("plans.{name}.subject"), l)?,
+                None => LayerOverride::default(),
+            },
+            tenant: match &p.tenant {
+                Some(l) => self.layer_override(&format!("plans.{name}.tenant"), l)?,
+                None => LayerOverride::default(),
+            },
+            global: match &p.global {
+                Some(l) => {
+                    let section = format!("plans.{name}.global");
+                    self.rate_backstop_only(&section, l)?;
+                    self.layer_override(&section, l)?
+                }
+                None => LayerOverride::default(),
+            },
+        };
+        for (layer, raw, over, base) in [
+            ("subject", &p.subject, &plan.subject, subject_base),
+            ("tenant", &p.tenant, &plan.tenant, tenant_base),
+            ("global", &p.global, &plan.global, global_base),
+        ] {
+            if let (Some(at), Some(base)) = (raw.as_ref().and_then(layer_span), base) {
+                let section = format!("plans.{name}.{layer}");
+                self.refill_fits(&section, at, over.apply(base).bucket, 1.0)?;
+            }
+        }
+        Ok(plan)
+    }
+
+    /// `[tenants.NAME]`. `plans` is every `[plans.NAME]` in the file, whether it has a problem or not:
+    /// a tenant on a plan with a problem is not also told that its plan is unknown.
+    fn tenant(
+        &self,
+        name: &str,
+        tenant: &S<RawTenant>,
+        plans: &BTreeMap<String, S<RawPlan>>,
+    ) -> Result<TenantConfig, ConfigError> {
+        self.name("tenant", name, tenant.span())?;
+        let plan = match &tenant.get_ref().plan {
+            Some(p) => {
+                if !plans.contains_key(p.get_ref()) {
+                    let known: Vec<&str> = plans.keys().map(String::as_str).collect();
+                    let known = if known.is_empty() {
+                        "no plans are defined".to_string()
+                    } else {
+                        format!("defined plans: {}", known.join(", "))
+                    };
+                    return self.err(
+                        p.span(),
+                        format!(
+                            "tenants.{name}.plan: unknown plan {:?} ({known})",
+                            p.get_ref()
                         ),
                     );
                 }
-                cfg.alerts.alertmanager_url = Some(s.to_string());
+                Some(p.get_ref().clone())
+            }
+            None => None,
+        };
+        Ok(TenantConfig { plan })
+    }
+
+    /// `[tools.NAME]`.
+    fn tool(&self, name: &str, tool: &S<RawTool>) -> Result<ToolConfig, ConfigError> {
+        let span = tool.span();
+        self.name("tool", name, span.clone())?;
+        let t = tool.get_ref();
+        let section = format!("tools.{name}");
+        let cost = match &t.cost {
+            Some(c) => Some(self.positive(&format!("{section}.cost"), c, f64::MIN_POSITIVE)?),
+            None => None,
+        };
+        let upstream = match &t.upstream {
+            Some(u) => Some(self.name(&format!("{section}.upstream"), u.get_ref(), u.span())?),
+            None => None,
+        };
+        let mut upstreams = Vec::new();
+        if let Some(map) = &t.upstreams {
+            if let Some(u) = &t.upstream {
+                return self.err(
+                    u.span(),
+                    format!("{section}: set either upstream or upstreams, not both"),
+                );
+            }
+            if map.get_ref().is_empty() {
+                return self.err(
+                    map.span(),
+                    format!("{section}.upstreams is empty; list at least one upstream"),
+                );
+            }
+            for (up, units) in map.get_ref() {
+                let up = self.name(&format!("{section}.upstreams"), up, units.span())?;
+                let units = self.positive(
+                    &format!("{section}.upstreams.{up}"),
+                    units,
+                    f64::MIN_POSITIVE,
+                )?;
+                upstreams.push((up, units));
+            }
+        } else if let Some(u) = &upstream {
+            upstreams.push((u.clone(), 1.0));
+        }
+        let bucket = self.optional_bucket(&section, span, &t.rate, &t.burst)?;
+        Ok(ToolConfig {
+            cost,
+            upstream,
+            upstreams,
+            bucket,
+        })
+    }
+
+    /// `[telemetry]`, over the defaults in `out`.
+    fn telemetry(&self, t: RawTelemetry, out: &mut TelemetryConfig) -> Result<(), ConfigError> {
+        if let Some(v) = t.enabled {
+            out.enabled = v;
+        }
+        if let Some(v) = t.max_subjects_total {
+            out.max_subjects_total =
+                self.count("telemetry.max_subjects_total", &v, 0, 10_000_000)? as usize;
+        }
+        if let Some(v) = t.max_subjects_per_tenant {
+            out.max_subjects_per_tenant =
+                self.count("telemetry.max_subjects_per_tenant", &v, 0, 1_000_000)? as usize;
+        }
+        if let Some(v) = t.refusal_log_per_sec {
+            out.refusal_log_per_sec = self.positive("telemetry.refusal_log_per_sec", &v, 0.0)?;
+        }
+        if let Some(o) = t.otlp {
+            let endpoint = match o.endpoint {
+                Some(e) => {
+                    let s = e.get_ref().trim();
+                    if !(s.starts_with("http://") || s.starts_with("https://")) {
+                        return self.err(e.span(), format!("telemetry.otlp.endpoint must be an http:// or https:// URL, not {s:?}"));
+                    }
+                    Some(s.to_string())
+                }
+                None => None,
+            };
+            if endpoint.is_none() {
+                let set = earliest([
+                    ("service_name", o.service_name.as_ref().map(|v| v.span())),
+                    ("sample_ratio", o.sample_ratio.as_ref().map(|v| v.span())),
+                    (
+                        "max_spans_per_second",
+                        o.max_spans_per_second.as_ref().map(|v| v.span()),
+                    ),
+                    ("protocol", o.protocol.as_ref().map(|v| v.span())),
+                ]);
+                if let Some((_, span)) = set {
+                    return self.err(span, "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
+                }
+            }
+            let sample_ratio = match o.sample_ratio {
+                Some(v) => {
+                    let r = *v.get_ref();
+                    if !(0.0..=1.0).contains(&r) {
+                        return self.err(
+                            v.span(),
+                            format!("telemetry.otlp.sample_ratio must be between 0 and 1, not {r}"),
+                        );
+                    }
+                    r
+                }
+                None => 1.0,
+            };
+            let max_spans_per_second = match o.max_spans_per_second {
+                Some(v) => {
+                    self.count("telemetry.otlp.max_spans_per_second", &v, 0, 10_000_000)? as u32
+                }
+                None => DEFAULT_MAX_SPANS_PER_SECOND,
+            };
+            let protocol = match o.protocol {
+                Some(v) => {
+                    let name = v.get_ref().trim();
+                    match OtlpProtocol::ALL.into_iter().find(|p| p.as_str() == name) {
+                        Some(p) => p,
+                        None => {
+                            return self.err(
+                                v.span(),
+                                format!(
+                                    "telemetry.otlp.protocol must be \"http/protobuf\", \"http/json\" or \"grpc\", not {name:?}"
+                                ),
+                            )
+                        }
+                    }
+                }
+                None => OtlpProtocol::default(),
+            };
+            let service_name = o
+                .service_name
+                .map(|s| s.into_inner())
+                .unwrap_or_else(|| "admitd".to_string());
+            out.otlp = endpoint.map(|endpoint| OtlpConfig {
+                endpoint,
+                service_name,
+                sample_ratio,
+                max_spans_per_second,
+                protocol,
+            });
+        }
+        Ok(())
+    }
+
+    /// `[alerts]`, over the defaults in `out`.
+    fn alerts(&self, a: RawAlerts, out: &mut AlertsConfig) -> Result<(), ConfigError> {
+        if let Some(v) = a.shed_ratio {
+            let r = *v.get_ref();
+            if !(r > 0.0 && r < 1.0) {
+                return self.err(
+                    v.span(),
+                    format!("alerts.shed_ratio must be between 0 and 1 (exclusive), not {r}"),
+                );
+            }
+            out.shed_ratio = r;
+            out.clear_ratio = r * 0.8;
+        }
+        if let Some(v) = a.clear_ratio {
+            let r = *v.get_ref();
+            if !(r >= 0.0 && r <= out.shed_ratio) {
+                return self.err(
+                    v.span(),
+                    format!(
+                        "alerts.clear_ratio must be between 0 and alerts.shed_ratio ({}), not {r}",
+                        out.shed_ratio
+                    ),
+                );
+            }
+            out.clear_ratio = r;
+        }
+        if let Some(v) = a.window {
+            out.window = self.duration("alerts.window", &v, Duration::from_secs(86_400))?;
+            if out.window < Duration::from_secs(1) {
+                return self.err(v.span(), "alerts.window must be at least 1s");
             }
         }
-
-        Ok(cfg)
+        if let Some(v) = a.for_ {
+            out.for_ = self.duration("alerts.for", &v, Duration::from_secs(86_400))?;
+        }
+        if let Some(v) = a.min_calls {
+            out.min_calls = self.count("alerts.min_calls", &v, 0, i64::MAX)? as u64;
+        }
+        if let Some(v) = a.alertmanager_url {
+            let s = v.get_ref().trim().trim_end_matches('/');
+            if !(s.starts_with("http://") || s.starts_with("https://")) {
+                return self.err(
+                    v.span(),
+                    format!(
+                        "alerts.alertmanager_url must be an http:// or https:// URL, not {s:?}"
+                    ),
+                );
+            }
+            out.alertmanager_url = Some(s.to_string());
+        }
+        Ok(())
     }
+}
+
+/// Gathers the problems of items checked one after another and keeps the one earliest in the file, so
+/// the first problem reported is the first by line, not by the order the code visits sections in. A
+/// tie goes to the problem noted first.
+#[derive(Default)]
+struct FirstProblem(Option<ConfigError>);
+
+impl FirstProblem {
+    /// The value of `r`, or `None` once its error is noted.
+    fn note<T>(&mut self, r: Result<T, ConfigError>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                // A problem without a line sorts last (validation always has one).
+                let line = |e: &ConfigError| e.line.unwrap_or(usize::MAX);
+                if self.0.as_ref().is_none_or(|kept| line(&e) < line(kept)) {
+                    self.0 = Some(e);
+                }
+                None
+            }
+        }
+    }
+
+    /// Checks every `[SECTION.NAME]` of a section, each as one item, and keeps those that pass.
+    fn each<R, T>(
+        &mut self,
+        items: &BTreeMap<String, R>,
+        mut check: impl FnMut(&str, &R) -> Result<T, ConfigError>,
+    ) -> HashMap<String, T> {
+        items
+            .iter()
+            .filter_map(|(name, item)| Some((name.clone(), self.note(check(name, item))?)))
+            .collect()
+    }
+
+    /// `value` when no problem was noted, else the earliest problem.
+    fn or<T>(self, value: T) -> Result<T, ConfigError> {
+        match self.0 {
+            Some(e) => Err(e),
+            None => Ok(value),
+        }
+    }
+}
+
+/// Of several keys, each with its span when it is set, the one set earliest in the file.
+fn earliest<K>(
+    keys: impl IntoIterator<Item = (K, Option<std::ops::Range<usize>>)>,
+) -> Option<(K, std::ops::Range<usize>)> {
+    keys.into_iter()
+        .filter_map(|(key, span)| Some((key, span?)))
+        .min_by_key(|(_, span)| span.start)
 }
 
 #[cfg(test)]
@@ -1517,6 +1617,92 @@ min_calls = 100
 
         let e = err("[bogus]\nx = 1\n");
         assert!(e.starts_with("cfg.toml:1: unknown field `bogus`"), "{e}");
+    }
+
+    /// Asserts that `text` is refused with an error starting with `prefix` (`FILE:LINE: message`).
+    fn assert_first(text: &str, prefix: &str) {
+        let e = err(text);
+        assert!(
+            e.starts_with(prefix),
+            "got {e:?}, want it to start with {prefix:?}"
+        );
+    }
+
+    #[test]
+    fn the_problem_on_the_lowest_line_is_reported_whatever_section_it_is_in() {
+        assert_first(
+            "[limits.subject]\nrate = \"5/mins\"\n\n[server]\nmode = \"bogus\"\n",
+            "cfg.toml:2: limits.subject.rate: invalid rate \"5/mins\"",
+        );
+        assert_first(
+            "[tools.t]\ncost = 0\n\n[limits.subject]\nburst = 0\n",
+            "cfg.toml:2: tools.t.cost must be a number greater than 0",
+        );
+        assert_first(
+            "[alerts]\nshed_ratio = 1.5\n[limits.tenant]\nburst = -1\n",
+            "cfg.toml:2: alerts.shed_ratio must be between 0 and 1 (exclusive), not 1.5",
+        );
+        assert_first(
+            "[upstreams.u]\nburst = 5\n[tools.t]\ncost = -1\n",
+            "cfg.toml:2: upstreams.u.burst is set but upstreams.u.rate is not",
+        );
+        // A plan with a problem still counts as defined.
+        assert_first(
+            "[tenants.x]\nplan = \"gold\"\n[plans.free.subject]\nburst = 0\n",
+            "cfg.toml:2: tenants.x.plan: unknown plan \"gold\" (defined plans: free)",
+        );
+    }
+
+    #[test]
+    fn a_tenant_on_a_plan_with_a_problem_is_told_the_plans_problem_not_that_it_is_unknown() {
+        assert_first(
+            "[tenants.x]\nplan = \"free\"\n\n[plans.free.subject]\nrate = \"5/mins\"\n",
+            "cfg.toml:5: plans.free.subject.rate: invalid rate \"5/mins\"",
+        );
+    }
+
+    #[test]
+    fn a_plan_is_not_measured_against_a_limits_layer_that_has_a_problem_of_its_own() {
+        // Against the refused burst of 1e12 the plan's rate would take forever to refill; the
+        // problem is the layer's burst, not the plan.
+        assert_first(
+            "[plans.slow]\ntenant = { rate = \"1/day\" }\n\n[limits.tenant]\nrate = \"100/s\"\nburst = 1e12\n",
+            "cfg.toml:6: limits.tenant: a full refill of 1000000000000 tokens",
+        );
+    }
+
+    #[test]
+    fn within_a_table_the_key_with_a_problem_earliest_in_the_file_is_reported() {
+        assert_first(
+            "[limits.subject]\nburst = 0\nrate = \"5/mins\"\n",
+            "cfg.toml:2: limits.subject.burst must be",
+        );
+        assert_first(
+            "[limits.global]\ndaily_quota = 4\nconcurrency = 4\n",
+            "cfg.toml:2: limits.global.daily_quota is not supported",
+        );
+        assert_first(
+            "[upstreams.u]\nreserved_for_batch = \"1/s\"\nheadroom = 0.5\n",
+            "cfg.toml:2: upstreams.u.reserved_for_batch needs upstreams.u.published_limit",
+        );
+        assert_first(
+            "[telemetry.otlp]\nprotocol = \"grpc\"\nservice_name = \"x\"\n",
+            "cfg.toml:2: [telemetry.otlp] has no endpoint",
+        );
+    }
+
+    #[test]
+    fn a_file_with_one_problem_reports_exactly_that_problem() {
+        let text = EXAMPLE.replace("shed_ratio = 0.5", "shed_ratio = 1.5");
+        assert_eq!(
+            Config::parse("cfg.toml", &text),
+            Err(ConfigError {
+                file: "cfg.toml".to_string(),
+                line: Some(49),
+                message: "alerts.shed_ratio must be between 0 and 1 (exclusive), not 1.5"
+                    .to_string(),
+            })
+        );
     }
 
     #[test]
