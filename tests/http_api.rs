@@ -559,6 +559,33 @@ fn shadow_mode_admits_everything_and_reports_would_shed() {
     assert_eq!(would, 3);
 }
 
+#[test]
+fn shadow_mode_says_how_long_enforce_mode_would_have_held_a_call() {
+    // 2/s, burst 1: the second call at once would be held about 500 ms in enforce mode.
+    let d = Daemon::start(
+        "[server]\nmode = \"shadow\"\nmax_wait = \"1s\"\n[limits.subject]\nrate = \"2/s\"\nburst = 1\n",
+    );
+    // No max_wait_ms: the server's 1 s applies.
+    let body = json!({"tenant": "t", "subject": "s", "tool": "x"});
+    let first = d.admit(body.clone());
+    assert!(
+        first.body.get("would_wait_ms").is_none(),
+        "{:?}",
+        first.body
+    );
+    let t = std::time::Instant::now();
+    let second = d.admit(body);
+    assert!(
+        t.elapsed() < Duration::from_millis(400),
+        "shadow mode held the call"
+    );
+    assert_eq!(second.status, 200);
+    assert_eq!(second.body["waited_ms"], 0, "{:?}", second.body);
+    let would = second.body["would_wait_ms"].as_u64().unwrap();
+    assert!((100..=500).contains(&would), "{:?}", second.body);
+    assert!(second.body.get("would_shed").is_none());
+}
+
 const RELOAD_BEFORE: &str = "[limits.subject]\nrate = \"1/h\"\nburst = 5\n";
 const RELOAD_AFTER: &str = "[limits.subject]\nrate = \"1/h\"\nburst = 10\n";
 

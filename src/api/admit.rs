@@ -266,6 +266,9 @@ struct AdmittedBody<'a> {
     reset_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     would_shed: Option<WouldShed<'a>>,
+    /// Shadow mode: how long enforce mode would have held this call (shadow mode admits at once).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    would_wait_ms: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -461,6 +464,10 @@ fn write_admitted(b: &AdmittedBody) -> Vec<u8> {
         out.extend_from_slice(b",\"would_shed\":");
         let _ = serde_json::to_writer(&mut out, w);
     }
+    if let Some(w) = b.would_wait_ms {
+        out.extend_from_slice(b",\"would_wait_ms\":");
+        out.extend_from_slice(n.format(w).as_bytes());
+    }
     out.push(b'}');
     out
 }
@@ -526,6 +533,8 @@ fn answer(
                     scope: s.scope.as_str(),
                     retry_after_ms: s.retry_after_ms,
                 }),
+                would_wait_ms: (a.mode == Mode::Shadow && a.hold_ns > 0)
+                    .then(|| ceil_ms(a.hold_ns)),
             };
             let r = super::json_response(StatusCode::OK, write_admitted(&body));
             if traced {
@@ -673,6 +682,7 @@ mod tests {
                 limit: Some(Num(20.0)),
                 reset_ms: Some(500),
                 would_shed: None,
+                would_wait_ms: None,
             },
             AdmittedBody {
                 admitted: true,
@@ -686,6 +696,7 @@ mod tests {
                 limit: Some(Num(2.5)),
                 reset_ms: None,
                 would_shed: Some(shed),
+                would_wait_ms: Some(250),
             },
             AdmittedBody {
                 admitted: true,
@@ -699,6 +710,7 @@ mod tests {
                 limit: None,
                 reset_ms: Some(u64::MAX),
                 would_shed: None,
+                would_wait_ms: None,
             },
         ];
         for b in &bodies {
