@@ -53,11 +53,13 @@ pub fn speakable(name: &str) -> bool {
             .chars()
             .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | ' '))
         && !name.chars().all(|c| c.is_ascii_digit());
-    // A long run of letters and digits mixed is a token or key, not a name.
-    let key_like = name
-        .split(|c: char| !c.is_alphanumeric())
-        .any(|run| run.len() >= 16 && run.chars().filter(char::is_ascii_digit).count() >= 4);
-    logical && !key_like
+    // A long run of letters and digits with no separator is a token or key, not a name: one with a
+    // digit in it (`AKIAIOSFODNN7EXAMPLE`, a hex digest), or one longer than words are.
+    let key_like = name.split(|c: char| !c.is_alphanumeric()).any(|run| {
+        let len = run.chars().count();
+        (len >= 16 && run.chars().any(|c| c.is_ascii_digit())) || len >= 24
+    });
+    logical && !key_like && !name.to_ascii_lowercase().contains("localhost")
 }
 
 /// A configured name as the text shows it: itself when [`speakable`], else `generic`.
@@ -261,6 +263,10 @@ mod tests {
             "::1",
             "5432",
             "sk_live_51H8aBcDeFgH1234567",
+            "AKIAIOSFODNN7EXAMPLE",
+            "0123456789abcdef0123456789abcdef",
+            "localhost",
+            "LOCALHOST",
             "",
             "a_name_far_longer_than_any_operator_would_write",
         ] {
