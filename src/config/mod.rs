@@ -429,11 +429,34 @@ impl Config {
 
     /// Validates config text; `file` names it in errors.
     pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
-            file: file.to_string(),
-            line: e.span().map(|s| line_of(text, s.start)),
-            message: e.message().trim().to_string(),
-        })?;
+        Self::parse_within(file, text, RECHECKS)
+    }
+
+    /// [`Config::parse`]. A line the TOML reader refuses (bad syntax, an unknown key, a value of the
+    /// wrong type) stops it before validation, but validation might find a problem on an earlier
+    /// line: the refused line is blanked and the file checked again (`rechecks` more times at
+    /// most), and whichever problem comes first in the file is the one reported.
+    fn parse_within(file: &str, text: &str, rechecks: u32) -> Result<Config, ConfigError> {
+        let raw: RawConfig = match toml::from_str(text) {
+            Ok(raw) => raw,
+            Err(e) => {
+                let line = e.span().map(|s| line_of(text, s.start));
+                let err = ConfigError {
+                    file: file.to_string(),
+                    line,
+                    message: reader_message(&e, text),
+                };
+                if let (Some(line), true) = (line, rechecks > 0) {
+                    let rest = Self::parse_within(file, &blank_line(text, line), rechecks - 1);
+                    if let Err(earlier) = rest {
+                        if earlier.line.is_some_and(|l| l < line) {
+                            return Err(earlier);
+                        }
+                    }
+                }
+                return Err(err);
+            }
+        };
         let v = Validator { file, text };
         v.config(raw)
     }
@@ -536,6 +559,68 @@ fn layer_span(raw: &RawLayer) -> Option<std::ops::Range<usize>> {
         .as_ref()
         .map(|b| b.span())
         .or(raw.rate.as_ref().map(|r| r.span()))
+}
+
+/// How many refused lines [`Config::parse`] blanks, at most, looking for an earlier problem.
+const RECHECKS: u32 = 8;
+
+/// `text` with line `line` (from 1) emptied, every other line where it was.
+fn blank_line(text: &str, line: usize) -> String {
+    text.split_inclusive('\n')
+        .enumerate()
+        .map(|(i, l)| match (i + 1 == line, l.ends_with('\n')) {
+            (false, _) => l,
+            (true, true) => "\n",
+            (true, false) => "",
+        })
+        .collect()
+}
+
+/// The TOML reader's message, with the key it is about when it says only what was wrong with a value
+/// (`invalid type: string "x", expected f64` names no key): `limits.tenant.burst: invalid type: ...`.
+fn reader_message(e: &toml::de::Error, text: &str) -> String {
+    let message = e
+        .message()
+        .trim()
+        .replace("expected f64", "expected a number")
+        .replace("expected i64", "expected a whole number");
+    let message = message.as_str();
+    let about_a_value = message.starts_with("invalid type") || message.starts_with("invalid value");
+    match e
+        .span()
+        .filter(|_| about_a_value)
+        .and_then(|s| key_at(text, s.start))
+    {
+        Some(key) => format!("{key}: {message}"),
+        None => message.to_string(),
+    }
+}
+
+/// The full name of the `key = value` whose value starts at `offset`: the last `[table]` header
+/// before it, a dot, and the key (`None` for any other shape, such as inline tables).
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let before = &text[..offset.min(text.len())];
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let key = before[line_start..].split_once('=')?.0.trim();
+    let plain = |k: &str| {
+        !k.is_empty()
+            && k.chars()
+                .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | '"'))
+    };
+    if !plain(key) {
+        return None;
+    }
+    let header = before[..line_start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .and_then(|l| l.strip_prefix('[')?.split_once(']'))
+        .map(|(h, _)| h.trim());
+    Some(match header {
+        Some(h) if plain(h) => format!("{h}.{key}"),
+        _ => key.to_string(),
+    })
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -1721,6 +1806,33 @@ min_calls = 100
             e.starts_with("cfg.toml:2: telemetry.max_subjects_total must be a whole number"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_value_problem_before_a_line_the_reader_refuses_is_reported_first() {
+        // An unknown key, a value of the wrong type, bad syntax: each after a bad value on line 2.
+        for later in ["foo = 1\n", "burst = \"x\"\n", "rate = \n"] {
+            let e = err(&format!(
+                "[limits.subject]\nrate = \"5/mins\"\n[limits.tenant]\n{later}"
+            ));
+            assert!(
+                e.starts_with("cfg.toml:2: limits.subject.rate: invalid rate \"5/mins\""),
+                "{later}: {e}"
+            );
+        }
+        // Alone, the refused line is reported, naming the key a wrong type belongs to.
+        let e = err("[limits.subject]\nrate = \"5/min\"\n[limits.tenant]\nburst = \"x\"\n");
+        assert_eq!(
+            e,
+            "cfg.toml:4: limits.tenant.burst: invalid type: string \"x\", expected a number"
+        );
+        let e = err("[server]\nworkers = \"two\"\n");
+        assert_eq!(
+            e,
+            "cfg.toml:2: server.workers: invalid type: string \"two\", expected a whole number"
+        );
+        let e = err("[limits.subject]\nrate = \"5/min\"\n[limits.tenant]\nfoo = 1\n");
+        assert!(e.starts_with("cfg.toml:4: unknown field `foo`"), "{e}");
     }
 
     #[test]
