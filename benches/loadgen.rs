@@ -32,6 +32,11 @@
 #[cfg(not(target_env = "msvc"))]
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+// ... with the daemon's options (see src/main.rs).
+#[cfg(not(target_env = "msvc"))]
+#[allow(non_upper_case_globals)]
+#[export_name = "_rjem_malloc_conf"]
+pub static malloc_conf: &[u8; 27] = b"tcache_nslots_small_min:64\0";
 
 use std::io;
 use std::net::SocketAddr;
