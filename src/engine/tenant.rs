@@ -1127,11 +1127,11 @@ impl TenantEngine {
     fn penalty(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
         let (up, left) = self.longest_penalty(r, now)?;
         let end = now.saturating_add(left);
-        let step = self.penalty_step(r, &up);
         let shared = self
             .shared
             .upstream(&up)
             .filter(|_| self.is_shared_upstream(Some(&up)));
+        let step = self.penalty_step(r, &up, shared.as_deref());
         // Spread over at most the penalty's own length (at least a second).
         let window = left.clamp(NS_PER_SEC, PROMISE_HORIZON);
         let slot = match shared {
@@ -1147,8 +1147,9 @@ impl TenantEngine {
     }
 
     /// The time the budget a penalised call will spend on `up` takes to refill that call's tokens:
-    /// the upstream's own (at its AIMD-cut rate), else the tenant's; at least 1 ms.
-    fn penalty_step(&self, r: &Resolved, up: &Arc<str>) -> u64 {
+    /// the upstream's own (at its AIMD-cut rate; `shared` when the upstream is), else the tenant's;
+    /// at least 1 ms.
+    fn penalty_step(&self, r: &Resolved, up: &Arc<str>, shared: Option<&SharedUpstream>) -> u64 {
         let units = r
             .upstreams
             .iter()
@@ -1157,9 +1158,9 @@ impl TenantEngine {
         let bucket = self.policy.upstream(up).and_then(|c| c.bucket);
         let rate = match bucket {
             Some(b) => {
-                let m = match self.shared.upstream(up) {
-                    Some(s) if self.is_shared_upstream(Some(up)) => s.multiplier(),
-                    _ => self.upstreams.get(up).map_or(1.0, |u| u.multiplier),
+                let m = match shared {
+                    Some(s) => s.multiplier(),
+                    None => self.upstreams.get(up).map_or(1.0, |u| u.multiplier),
                 };
                 b.rate.per_sec * m
             }
