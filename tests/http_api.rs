@@ -192,6 +192,40 @@ fn bad_input_is_a_clear_4xx_and_loses_no_state() {
 }
 
 #[test]
+fn an_admission_refused_for_a_bad_field_still_carries_its_keys_rate_limit_headers() {
+    let d = Daemon::start_default();
+    assert_eq!(d.admit(call("acme", "bot", "t1")).status, 200);
+    for bad in [
+        json!({"cost": 0}),
+        json!({"max_wait_ms": -5}),
+        json!({"call_id": "a\u{1}b"}),
+    ] {
+        let mut body = call("acme", "bot", "t1");
+        for (k, v) in bad.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let a = d.admit(body);
+        assert_eq!(a.status, 400, "{bad}: {:?}", a.body);
+        assert_eq!(a.body["error"], "invalid_request");
+        assert_eq!(
+            a.header("ratelimit-policy").as_deref(),
+            Some("\"subject\";q=20;w=10, \"tenant\";q=50;w=5, \"global\";q=5000;w=1"),
+            "{bad}"
+        );
+        // The state as it is: the one admission above spent a token, this one nothing.
+        assert_eq!(
+            a.header("ratelimit").as_deref(),
+            Some("\"subject\";r=19;t=1"),
+            "{bad}"
+        );
+    }
+    // Without a valid key there is no layer to describe.
+    let a = d.post_raw("/v1/admit", "application/json", b"{not json".to_vec());
+    assert_eq!(a.status, 400);
+    assert!(a.header("ratelimit-policy").is_none());
+}
+
+#[test]
 fn operations_routes() {
     let d = Daemon::start_default();
     let h = d.get("/healthz");

@@ -27,7 +27,7 @@ use parking_lot::RwLock;
 
 pub use global::GlobalActor;
 pub use tenant::{
-    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Feedback, Release, Snapshot,
+    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Feedback, Layers, Release, Snapshot,
     TenantActor, Tick, TICK,
 };
 

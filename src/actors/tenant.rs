@@ -22,8 +22,8 @@ use tokio::sync::oneshot;
 use super::Shared;
 use crate::clock::Nanos;
 use crate::engine::{
-    AdmitRequest, AdmitResult, Decision, ReleaseInfo, TenantEngine, TenantSnapshot, UnknownLease,
-    Verdict,
+    AdmitRequest, AdmitResult, Decision, LayerState, ReleaseInfo, TenantEngine, TenantSnapshot,
+    UnknownLease, Verdict,
 };
 use crate::telemetry::{CallCounts, TenantEvent};
 
@@ -367,6 +367,20 @@ impl Handler<ConfirmHold> for TenantActor {
 #[derive(Message, Clone)]
 #[rtype(result = "Option<TenantSnapshot>")]
 pub struct Snapshot;
+
+/// The bucket layers a call would pass, without deciding it (see [`TenantEngine::layers_of`]).
+#[derive(Message, Clone)]
+#[rtype(result = "Vec<LayerState>")]
+pub struct Layers(pub AdmitRequest);
+
+impl Handler<Layers> for TenantActor {
+    type Result = MessageResult<Layers>;
+
+    fn handle(&mut self, msg: Layers, _: &mut Context<Self>) -> Self::Result {
+        let (now, _) = self.now();
+        MessageResult(self.engine.layers_of(&msg.0, now))
+    }
+}
 
 impl Handler<Snapshot> for TenantActor {
     type Result = Option<TenantSnapshot>;

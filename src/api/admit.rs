@@ -16,11 +16,11 @@ use warp::reply::Response;
 
 use super::error::ApiError;
 use super::{body, json, lease, name_field, App};
-use crate::actors::{AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Shared};
+use crate::actors::{AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Layers, Shared};
 use crate::clock::{ceil_ms, ceil_secs};
 use crate::config::Mode;
 use crate::engine::refusal::whole_seconds;
-use crate::engine::{AdmitRequest, Decision, LayerState, Shed, Verdict};
+use crate::engine::{tightest, AdmitRequest, Decision, LayerState, Shed, Verdict};
 use crate::telemetry::{DecisionEvent, DecisionKind};
 
 /// Names borrow from the request body when they need no unescaping (the usual case), so the only
@@ -77,48 +77,30 @@ pub async fn admit(
             .unwrap_or(0),
         false => 0,
     };
-    let b: AdmitBody = body::parse_json(&bytes)?;
+    let mut b: AdmitBody = body::parse_json(&bytes)?;
     name_field("tenant", &b.tenant)?;
     name_field("subject", &b.subject)?;
     name_field("tool", &b.tool)?;
     if let Some(u) = &b.upstream {
         name_field("upstream", u)?;
     }
-    // An empty call id is no call id (a client may send one rather than leave the field out).
-    let call_id = b.call_id.filter(|c| !c.is_empty());
-    if let Some(c) = &call_id {
-        name_field("call_id", c)?;
-    }
-    if let Some(cost) = b.cost {
-        if !(cost.is_finite() && cost > 0.0) {
-            return Err(ApiError::invalid(format!(
-                "cost {cost} must be a positive number"
-            )));
-        }
-    }
     let shared = &app.shared;
-    let cfg = shared.config.load();
-    let server_cap = cfg.server.max_wait.as_nanos() as u64;
-    let max_wait_ns = match b.max_wait_ms {
-        Some(ms) if ms.is_finite() && ms >= 0.0 => ((ms * 1e6) as u64).min(server_cap),
-        Some(ms) => {
-            return Err(ApiError::invalid(format!(
-                "max_wait_ms {ms} must be a non-negative number"
-            )))
-        }
-        None => server_cap,
-    };
-    let shadow = cfg.server.mode == Mode::Shadow;
-    drop(cfg);
-
-    let req = AdmitRequest {
+    let mut req = AdmitRequest {
         subject: CompactString::from(&*b.subject),
         tool: CompactString::from(&*b.tool),
         upstream: b.upstream.as_deref().map(CompactString::from),
-        cost: b.cost,
-        max_wait_ns,
+        cost: None,
+        max_wait_ns: 0,
     };
     let tenant = &*b.tenant;
+    let call_id = b.call_id.take();
+    let (call_id, shadow) = match the_rest(shared, &b, call_id, &mut req) {
+        Ok(rest) => rest,
+        // The call names a valid key, so its answer carries that key's rate-limit headers too.
+        // Boxed, like the hold below: rare, and it must not grow every request's future.
+        Err(e) => return Ok(Box::pin(refused_before_deciding(shared, tenant, req, e)).await),
+    };
+    let max_wait_ns = req.max_wait_ns;
     let sent = shared.clock.mono();
     let reply = shared.admit(tenant, req, sent).await?;
     // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
@@ -144,6 +126,58 @@ pub async fn admit(
 }
 
 /// Whether an admitted call must sleep out its hold before it is answered.
+/// Checks the admission's fields other than its names and completes `req` with them: the call id
+/// (an empty one is none) and whether the daemon is in shadow mode.
+fn the_rest(
+    shared: &Shared,
+    b: &AdmitBody,
+    call_id: Option<String>,
+    req: &mut AdmitRequest,
+) -> Result<(Option<String>, bool), ApiError> {
+    // An empty call id is no call id (a client may send one rather than leave the field out).
+    let call_id = call_id.filter(|c| !c.is_empty());
+    if let Some(c) = &call_id {
+        name_field("call_id", c)?;
+    }
+    if let Some(cost) = b.cost {
+        if !(cost.is_finite() && cost > 0.0) {
+            return Err(ApiError::invalid(format!(
+                "cost {cost} must be a positive number"
+            )));
+        }
+    }
+    let cfg = shared.config.load();
+    let server_cap = cfg.server.max_wait.as_nanos() as u64;
+    req.max_wait_ns = match b.max_wait_ms {
+        Some(ms) if ms.is_finite() && ms >= 0.0 => ((ms * 1e6) as u64).min(server_cap),
+        Some(ms) => {
+            return Err(ApiError::invalid(format!(
+                "max_wait_ms {ms} must be a non-negative number"
+            )))
+        }
+        None => server_cap,
+    };
+    req.cost = b.cost;
+    Ok((call_id, cfg.server.mode == Mode::Shadow))
+}
+
+/// The answer to an admission refused before it was decided (a bad cost, wait or call id) whose key
+/// is valid: the error, with the `RateLimit-Policy` and `RateLimit` headers of the layers the call
+/// would have passed, as on every admission answer. Without them if the tenant's state does not
+/// answer.
+async fn refused_before_deciding(
+    shared: &Arc<Shared>,
+    tenant: &str,
+    req: AdmitRequest,
+    e: ApiError,
+) -> Response {
+    let mut response = warp::Reply::into_response(e);
+    if let Ok(layers) = shared.ask(tenant, Layers(req)).await {
+        ratelimit_headers(response.headers_mut(), &layers);
+    }
+    response
+}
+
 fn must_hold(d: &Decision, shadow: bool) -> bool {
     matches!(&d.verdict, Verdict::Admitted(a) if a.hold_ns > 0 && !shadow)
 }
@@ -557,17 +591,21 @@ fn answer(
             r
         }
     };
-    let h = response.headers_mut();
-    if let Some(v) = cached_policy_header(&d.layers) {
+    ratelimit_headers(response.headers_mut(), &d.layers);
+    (response, event)
+}
+
+/// `RateLimit-Policy` (every layer) and `RateLimit` (the tightest), when any layer applied.
+fn ratelimit_headers(h: &mut HeaderMap, layers: &[LayerState]) {
+    if let Some(v) = cached_policy_header(layers) {
         h.insert(&RATELIMIT_POLICY, v);
     }
-    if let Some(t) = tightest {
+    if let Some(t) = tightest(layers) {
         let v = ratelimit_header(t).into_bytes();
         if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(v)) {
             h.insert(&RATELIMIT, v);
         }
     }
-    (response, event)
 }
 
 #[cfg(test)]

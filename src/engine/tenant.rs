@@ -842,6 +842,14 @@ impl TenantEngine {
         }
     }
 
+    /// The bucket layers a call would pass and their state now, without deciding it or spending
+    /// anything: for the rate-limit headers of a request refused before it was decided.
+    pub fn layers_of(&mut self, req: &AdmitRequest, now: Nanos) -> Vec<LayerState> {
+        let r = self.resolve(req);
+        let plan = self.plan(&r);
+        self.layer_states(&plan, &r, now)
+    }
+
     fn layer_states(&self, plan: &[LayerPlan], r: &Resolved, now: Nanos) -> Vec<LayerState> {
         let several = several_upstreams(plan);
         plan.iter()

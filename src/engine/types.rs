@@ -149,16 +149,21 @@ pub struct Decision {
     pub layers: Vec<LayerState>,
 }
 
+/// The tightest of some layers: the fewest whole tokens left (ties go to the earlier layer).
+pub fn tightest(layers: &[LayerState]) -> Option<&LayerState> {
+    layers.iter().reduce(|best, l| {
+        if l.remaining < best.remaining {
+            l
+        } else {
+            best
+        }
+    })
+}
+
 impl Decision {
     /// The tightest layer: the fewest whole tokens left (ties go to the earlier layer).
     pub fn tightest(&self) -> Option<&LayerState> {
-        self.layers.iter().reduce(|best, l| {
-            if l.remaining < best.remaining {
-                l
-            } else {
-                best
-            }
-        })
+        tightest(&self.layers)
     }
 
     pub fn is_admitted(&self) -> bool {
