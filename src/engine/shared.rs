@@ -50,8 +50,9 @@ pub struct SharedUpstream {
     pub bucket: AtomicBucket,
     /// Monotonic instant until which the upstream is in the penalty box (0: not penalised).
     penalty_until: AtomicU64,
-    /// The last retry slot handed to a call it refused (see [`super::bucket::stagger`]).
-    pub penalty_stagger: AtomicU64,
+    /// The last retry slot handed to a call its penalty box or adaptive throttle refused (see
+    /// [`super::bucket::stagger`]).
+    pub retry_stagger: AtomicU64,
     /// AIMD multiplier of the configured rate, as f64 bits.
     multiplier: AtomicU64,
     /// When the last 429 arrived.
@@ -67,7 +68,7 @@ impl Default for SharedUpstream {
         SharedUpstream {
             bucket: AtomicBucket::default(),
             penalty_until: AtomicU64::new(0),
-            penalty_stagger: AtomicU64::new(0),
+            retry_stagger: AtomicU64::new(0),
             multiplier: AtomicU64::new(1.0f64.to_bits()),
             last_429: AtomicU64::new(0),
             sre: Mutex::new(SreWindow::default()),

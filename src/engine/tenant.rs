@@ -224,8 +224,9 @@ struct UpstreamState {
     fair: Bucket,
     /// Per-tenant penalty box (upstreams that are not shared).
     penalty_until: Nanos,
-    /// The last retry slot handed to a call the penalty box refused (see [`stagger`]).
-    penalty_stagger: Nanos,
+    /// The last retry slot handed to a call refused by the penalty box or the adaptive throttle
+    /// (see [`stagger`]).
+    retry_stagger: Nanos,
     /// AIMD multiplier of the configured rate (upstreams that are not shared).
     multiplier: f64,
     /// When the last 429 arrived; a cut is forgotten once no 429 came for the adaptive window.
@@ -247,7 +248,7 @@ impl Default for UpstreamState {
             bucket: Bucket::default(),
             fair: Bucket::default(),
             penalty_until: 0,
-            penalty_stagger: 0,
+            retry_stagger: 0,
             multiplier: 1.0,
             last_429: 0,
             sre: SreWindow::default(),
@@ -1128,36 +1129,44 @@ impl TenantEngine {
     }
 
     /// Refuses a call to an upstream in the penalty box. The first call refused is told the penalty's
-    /// end; each next one is told one refill step of the upstream's budget later (of the tenant's,
-    /// when the upstream has none), so the calls that wait as told reach the recovering upstream one
-    /// by one instead of all at the instant it said (over at most the penalty's length, then starting
-    /// over).
+    /// end; each next one later, along the upstream's refill (see [`TenantEngine::upstream_slot`]).
     fn penalty(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
         let (up, left) = self.longest_penalty(r, now)?;
-        let end = now.saturating_add(left);
         let shared = self
             .shared
             .upstream(&up)
             .filter(|_| self.is_shared_upstream(Some(&up)));
-        let step = self.penalty_step(r, &up, shared.as_deref());
-        // Spread over at most the penalty's own length (at least a second).
-        let window = left.clamp(NS_PER_SEC, PROMISE_HORIZON);
-        let slot = match shared {
-            Some(s) => stagger_atomic(&s.penalty_stagger, end, step, window),
-            None => stagger(
-                &mut self.upstream_mut(&up).penalty_stagger,
-                end,
-                step,
-                window,
-            ),
-        };
+        let slot = self.upstream_slot(r, &up, shared.as_deref(), now, left);
         Some(self.make_shed(r, Some(&up), Scope::UpstreamPenalty, slot - now))
     }
 
-    /// The time the budget a penalised call will spend on `up` takes to refill that call's tokens:
+    /// The retry slot of a call refused on account of upstream `up` (its penalty box or its adaptive
+    /// throttle) that must wait `wait` ns at least: the first call refused is told `now + wait`, each
+    /// next one a refill step of the upstream's budget later (of the tenant's, when the upstream has
+    /// none), so the calls that wait as told reach the recovering upstream one by one instead of all
+    /// at once. The spread covers at most `wait` itself (at least a second) and then starts over.
+    fn upstream_slot(
+        &mut self,
+        r: &Resolved,
+        up: &Arc<str>,
+        shared: Option<&SharedUpstream>,
+        now: Nanos,
+        wait: u64,
+    ) -> Nanos {
+        let base = now.saturating_add(wait);
+        let step = self.retry_step(r, up, shared);
+        let window = wait.clamp(NS_PER_SEC, PROMISE_HORIZON);
+        match shared {
+            Some(s) => stagger_atomic(&s.retry_stagger, base, step, window),
+            None => stagger(&mut self.upstream_mut(up).retry_stagger, base, step, window),
+        }
+    }
+
+    /// The time the budget a call refused on account of `up` will spend there takes to refill that
+    /// call's tokens:
     /// the upstream's own (at its AIMD-cut rate; `shared` when the upstream is), else the tenant's;
     /// at least 1 ms.
-    fn penalty_step(&self, r: &Resolved, up: &Arc<str>, shared: Option<&SharedUpstream>) -> u64 {
+    fn retry_step(&self, r: &Resolved, up: &Arc<str>, shared: Option<&SharedUpstream>) -> u64 {
         let units = r
             .upstreams
             .iter()
@@ -1215,12 +1224,9 @@ impl TenantEngine {
                 // The more the upstream rejects, the longer it takes to recover: wait 2 s per
                 // accepted-to-rejected ratio, between 1 and 30 seconds.
                 let wait = (2.0 * p / (1.0 - p).max(0.05)).clamp(1.0, 30.0);
-                let mut shed = self.make_shed(
-                    r,
-                    Some(up),
-                    Scope::Adaptive,
-                    (wait * NS_PER_SEC as f64) as u64,
-                );
+                let wait = (wait * NS_PER_SEC as f64) as u64;
+                let slot = self.upstream_slot(r, up, shared.as_deref(), now, wait);
+                let mut shed = self.make_shed(r, Some(up), Scope::Adaptive, slot - now);
                 shed.reason = format!(
                     "upstream is rejecting requests (throttling {:.0}% of calls)",
                     p * 100.0

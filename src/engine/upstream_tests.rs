@@ -1252,6 +1252,46 @@ fn an_adaptive_refusal_says_retrying_at_once_will_not_help() {
     assert!(seen > 150, "p starts at 80/101 and climbs: {seen}");
 }
 
+#[test]
+fn adaptive_refusals_at_one_moment_are_told_times_a_refill_step_apart() {
+    // u refills 20/s, cut to its floor of half by the 429s: a step is 100 ms. The throttle's wait
+    // (about 8 s at this rejection rate) is where the spread starts.
+    let sim = Sim::new(&roomy(
+        "[tools.t]\nupstream = \"u\"\n[upstreams.u]\nrate = \"20/s\"\nburst = 1000\naimd_floor = 0.5\nadaptive_k = 2.0\nadaptive_min_requests = 0\n",
+    ));
+    let mut e = sim.engine("acme");
+    // A thousand answers, so the refusals below (each counted as a request) hardly move the
+    // rejection rate, and with it the wait: what spreads the hints is the stagger.
+    // (The healthy answers first: they would win back the rate the 429s cut.)
+    for _ in 0..100 {
+        sim.feedback(&mut e, "u", 200, None);
+    }
+    for _ in 0..900 {
+        sim.feedback(&mut e, "u", 429, Some(Duration::ZERO));
+    }
+    let mut hints = Vec::new();
+    for _ in 0..40 {
+        let p = sim.upstream(&e, "u").throttle_probability;
+        let d = sim.decide(&mut e, &call("a", "t"));
+        if let Verdict::Shed(s) = &d.verdict {
+            let wait = (2.0 * p / (1.0 - p).max(0.05)).clamp(1.0, 30.0);
+            assert!(
+                s.retry_after_ms as f64 >= wait * 1000.0 - 1.0,
+                "{s:?} p {p}"
+            );
+            hints.push(s.retry_after_ms);
+        }
+    }
+    assert!(hints.len() >= 12, "{hints:?}");
+    assert!(hints.windows(2).all(|w| w[1] >= w[0]), "{hints:?}");
+    let n = hints.len() as u64;
+    // About 100 ms apart on average (each hint has up to 100 ms of jitter of its own).
+    assert!(
+        hints[hints.len() - 1] - hints[0] >= (n - 1) * 90,
+        "not a step apart: {hints:?}"
+    );
+}
+
 /// Refused calls are promised staggered retry slots. A loop that ignores its hints takes a new promise
 /// on every try; with one promise cursor per shared bucket that pushed every other tenant's hint out
 /// without bound (59 s after 20 s of looping, for a token 50 ms away). Cursors are now per tenant.
