@@ -595,11 +595,11 @@ fn shadow_mode_admits_everything_and_reports_would_shed() {
 
 #[test]
 fn shadow_mode_says_how_long_enforce_mode_would_have_held_a_call() {
-    // 2/s, burst 1: the second call at once would be held about 500 ms in enforce mode.
+    // 1/min, burst 1: enforce mode would hold the second call about a minute (max_wait allows 2).
     let d = Daemon::start(
-        "[server]\nmode = \"shadow\"\nmax_wait = \"1s\"\n[limits.subject]\nrate = \"2/s\"\nburst = 1\n",
+        "[server]\nmode = \"shadow\"\nmax_wait = \"2m\"\n[limits.subject]\nrate = \"1/min\"\nburst = 1\n",
     );
-    // No max_wait_ms: the server's 1 s applies.
+    // No max_wait_ms: the server's cap applies.
     let body = json!({"tenant": "t", "subject": "s", "tool": "x"});
     let first = d.admit(body.clone());
     assert!(
@@ -607,16 +607,12 @@ fn shadow_mode_says_how_long_enforce_mode_would_have_held_a_call() {
         "{:?}",
         first.body
     );
-    let t = std::time::Instant::now();
     let second = d.admit(body);
-    assert!(
-        t.elapsed() < Duration::from_millis(400),
-        "shadow mode held the call"
-    );
     assert_eq!(second.status, 200);
+    // Not held: a held call reports the time it was held as waited_ms (and would take a minute).
     assert_eq!(second.body["waited_ms"], 0, "{:?}", second.body);
     let would = second.body["would_wait_ms"].as_u64().unwrap();
-    assert!((100..=500).contains(&would), "{:?}", second.body);
+    assert!((50_000..=60_000).contains(&would), "{:?}", second.body);
     assert!(second.body.get("would_shed").is_none());
 }
 
