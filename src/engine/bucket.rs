@@ -13,6 +13,9 @@
 //! free slot *after* every slot already promised to earlier refused calls, so N callers refused in the
 //! same instant hear N different waits, one refill apart. If each comes back when told, each finds its
 //! token instead of colliding with the others again (a plain bucket tells all of them the same wait).
+//! Limits without a bucket of their own (an upstream's penalty box and adaptive throttle, concurrency
+//! slots) spread their hints the same way with [`stagger`], on a cursor of their own and a step the
+//! caller chooses.
 //!
 //! The parameters (rate and burst) are not stored: they are passed in on every call, so a config reload
 //! applies at once; [`Bucket::rescale`] keeps the number of missing tokens across a change of rate.
@@ -137,7 +140,7 @@ fn staggered_slot(last: Nanos, base: Nanos, step: u64, window: u64) -> Nanos {
 }
 
 /// Spreads the retry hints of calls refused by a limit that has no refill of its own to promise
-/// from (a penalty box, concurrency slots): the first call refused toward an instant is told that
+/// from (a penalty box, an adaptive throttle, concurrency slots): the first call refused toward an instant is told that
 /// instant, each next one `step` later, so that callers who come back as told arrive one by one
 /// instead of together. The spread covers at most `window` and then starts over: a caller that
 /// ignores its hint and comes straight back (a loop) takes a slot every time, and must not push
@@ -148,7 +151,8 @@ pub fn stagger(last: &mut Nanos, base: Nanos, step: u64, window: u64) -> Nanos {
     *last
 }
 
-/// [`stagger`] on a cursor shared across tenants (a shared upstream's penalty box).
+/// [`stagger`] on a cursor shared across tenants (a shared upstream's penalty box and adaptive
+/// throttle).
 pub fn stagger_atomic(last: &AtomicU64, base: Nanos, step: u64, window: u64) -> Nanos {
     let prev = last
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |l| {
