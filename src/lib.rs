@@ -15,5 +15,6 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod engine;
+mod prefetch;
 pub mod server;
 pub mod telemetry;

@@ -25,6 +25,7 @@ use crate::engine::{
     AdmitRequest, AdmitResult, Decision, LayerState, ReleaseInfo, TenantEngine, TenantSnapshot,
     UnknownLease, Verdict,
 };
+use crate::prefetch::prefetch_all;
 use crate::telemetry::{CallCounts, TenantEvent};
 
 /// How often leases are expired and idleness is checked (the arbiter's ticker sends [`Tick`]).
@@ -222,6 +223,10 @@ impl Handler<Admit> for TenantActor {
     type Result = ();
 
     fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) {
+        // The actor's state (its engine included) and the lease slot it will write are most likely
+        // out of cache: ask for all of it at once rather than one line at a time as it is read.
+        prefetch_all(self as *const Self);
+        self.engine.prefetch_lease_slot();
         if msg.reply.is_closed() {
             // The caller went away while the call waited in the mailbox: nothing to decide.
             return;

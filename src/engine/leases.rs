@@ -12,6 +12,8 @@
 //!
 //! Memory follows the most leases that were live at once; once none are, a large slab is given back.
 
+use crate::prefetch::prefetch_all;
+
 /// Slots a slab may keep after its last lease ends; larger slabs are freed then.
 const KEEP_SLOTS: usize = 1024;
 
@@ -64,6 +66,13 @@ impl<T> Leases<T> {
         ));
         self.live += 1;
         id
+    }
+
+    /// Starts loading the slot the next [`Leases::insert`] will write (a hint, see
+    /// [`crate::prefetch`]).
+    pub fn prefetch_next(&self) {
+        let index = self.free.last().map_or(self.slots.len(), |&i| i as usize);
+        prefetch_all(self.slots.as_ptr().wrapping_add(index));
     }
 
     fn slot(&self, id: u64) -> Option<&Slot<T>> {

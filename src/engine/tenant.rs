@@ -40,6 +40,7 @@ use super::shared::{SharedBudgets, SharedUpstream};
 use super::types::*;
 use crate::clock::{ceil_ms, ms_until_utc_midnight, utc_day, Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::{BucketSpec, Config, Mode, TenantLimits, UpstreamConfig};
+use crate::prefetch::prefetch_all;
 use crate::telemetry::labels::SubjectLabels;
 
 /// How long a tenant counts its calls to a shared upstream before reporting its demand. A second is
@@ -877,6 +878,8 @@ impl TenantEngine {
     /// order calls reach this tenant, so the first subjects to call are the ones named.
     fn subject_names(&mut self, subject: &str) -> (Arc<str>, Arc<str>) {
         if let Some(s) = self.subjects.get_mut(subject) {
+            // The rest of the subject's state is read soon (its buckets, its slot count).
+            prefetch_all(&*s as *const SubjectState);
             if let Some(l) = &self.labels {
                 // Folded under caps that have changed since: there may be room now.
                 if l.is_other(&s.label) && s.label_gen != l.generation() {
@@ -892,6 +895,11 @@ impl TenantEngine {
             None => name.clone(),
         };
         (name, label)
+    }
+
+    /// Starts loading the lease slot the next admission will write (see [`crate::prefetch`]).
+    pub fn prefetch_lease_slot(&self) {
+        self.leases.prefetch_next();
     }
 
     /// Where subjects get their metric labels (none: every subject is labelled by its name).

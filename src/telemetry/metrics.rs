@@ -25,13 +25,14 @@ use metrics::{counter, gauge, Counter, Gauge};
 use super::histogram::{Histogram, Histograms};
 use super::labels::LabelCap;
 use super::names::*;
-use super::rawindex::{prefetch, RawIndex, RawRef};
+use super::rawindex::{RawIndex, RawRef};
 use super::{
     hash_identity, Batch, DecisionEvent, DecisionKind, Event, ExpiredLease, TenantEvent, Throttle,
 };
 use crate::clock::{Clock, NS_PER_SEC};
 use crate::config::TelemetryConfig;
 use crate::engine::Scope;
+use crate::prefetch::prefetch;
 
 /// The (capped) labels of an admission series.
 type AdmissionKey = (

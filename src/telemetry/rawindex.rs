@@ -20,6 +20,7 @@ use smallvec::SmallVec;
 
 use super::{DecisionEvent, DecisionKind};
 use crate::engine::Scope;
+use crate::prefetch::prefetch;
 
 /// Bytes of a [`RawKey`]'s names kept inline; longer keys spill to the heap.
 const RAW_INLINE: usize = 46;
@@ -107,19 +108,6 @@ impl<'a> RawRef<'a> {
         }
         rest.is_empty()
     }
-}
-
-/// Asks the CPU to start loading the cache line at `p` (a hint: nothing is read, any address is fine).
-#[inline]
-pub fn prefetch<T>(p: *const T) {
-    // SAFETY: a prefetch reads nothing and cannot fault, whatever the address; it is `unsafe` only
-    // because it is an SSE instruction, which every x86_64 CPU has.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 #[derive(Clone, Copy, Default)]
