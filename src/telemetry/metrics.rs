@@ -555,6 +555,18 @@ impl Handler<Batch> for MetricsActor {
     }
 }
 
+/// How many events ahead of the one being hashed [`MetricsActor::record_batch`] prefetches names.
+const NAMES_AHEAD: usize = 8;
+
+fn prefetch_names(d: &DecisionEvent) {
+    prefetch(d.tenant.as_ptr());
+    prefetch(d.subject_label.as_ptr());
+    prefetch(d.tool.as_ptr());
+    if let Some(u) = &d.upstream {
+        prefetch(u.as_ptr());
+    }
+}
+
 impl MetricsActor {
     fn record_batch(&mut self, events: &[Event]) {
         // Entry numbers stay valid until the index is cleared, so it is cleared only between batches.
@@ -573,7 +585,14 @@ impl MetricsActor {
                 _ => None,
             })
         };
+        // Hashing reads each event's names, which live apart from the event (the tenant's, the
+        // subject's and the tool's shared strings), so they are asked for a few events ahead.
+        let mut ahead = decisions();
+        ahead.by_ref().take(NAMES_AHEAD).for_each(prefetch_names);
         for d in decisions() {
+            if let Some(a) = ahead.next() {
+                prefetch_names(a);
+            }
             let hash = self.decisions.hash(&RawRef::of(d));
             self.decisions.prefetch_slot(hash);
             keys.push(hash);
