@@ -107,6 +107,13 @@ fn request(subject: &str, tool: &str) -> AdmitRequest {
     }
 }
 
+/// Calls of `n` subjects `agent-<i>`, spread over eight tools.
+fn subjects_and_tools(n: usize) -> Vec<AdmitRequest> {
+    (0..n)
+        .map(|i| request(&format!("agent-{i}"), &format!("tool{}", i % 8)))
+        .collect()
+}
+
 fn release_ok() -> ReleaseInfo {
     ReleaseInfo {
         outcome: Outcome::Ok,
@@ -173,9 +180,7 @@ fn admit_hot_subject(c: &mut Criterion) {
 
 fn admit_release_10k_subjects(c: &mut Criterion) {
     let mut engine = engine(&config(&[ROOMY_SUBJECT]));
-    let reqs: Vec<AdmitRequest> = (0..10_000)
-        .map(|i| request(&format!("agent-{i}"), &format!("tool{}", i % 8)))
-        .collect();
+    let reqs = subjects_and_tools(10_000);
     let info = release_ok();
     let mut now = 0u64;
     let mut next = 0usize;
@@ -249,9 +254,7 @@ fn admit_tool_and_upstream(c: &mut Criterion) {
 /// batch (a tenant at 100 admissions/s with a 10 s TTL). Per element: one expired lease.
 fn expire_leases_at_ttl(c: &mut Criterion) {
     let mut engine = engine(&config(&[ROOMY_SUBJECT]));
-    let reqs: Vec<AdmitRequest> = (0..100)
-        .map(|i| request(&format!("agent-{i}"), &format!("tool{}", i % 8)))
-        .collect();
+    let reqs = subjects_and_tools(100);
     let ttl_ns = engine.config().server.lease_ttl.as_nanos() as u64;
     let mut now = 0u64;
     let mut next = 0usize;
