@@ -21,6 +21,9 @@
 // marked degraded; failOpen: false refuses it with a tool result that asks the model to wait
 // unavailableRetryS seconds. Requests admitd rejects as malformed (400, 413) throw AdmitdError.
 
+import http from "node:http";
+import { Buffer } from "node:buffer";
+
 export const OUTCOMES = Object.freeze(["ok", "error", "upstream_rate_limited", "cancelled"]);
 
 /** admitd refused the request itself (400 invalid_request, 413 body_too_large, ...). */
@@ -66,6 +69,10 @@ export class Admitd {
       throw new TypeError(`admitd URL must be http://host[:port], not ${JSON.stringify(url)}`);
     }
     this.base = `http://${u.host}`;
+    // URL keeps an IPv6 literal in brackets; a socket wants it without them.
+    this.host = u.hostname.replace(/^\[(.*)\]$/, "$1");
+    this.port = Number(u.port || 80);
+    this.agent = new http.Agent({ keepAlive: true });
     this.timeoutMs = timeoutMs;
     this.failOpen = failOpen;
     this.unavailableRetryS = Math.max(1, Math.trunc(unavailableRetryS));
@@ -75,26 +82,50 @@ export class Admitd {
   async #request(method, path, body, headers = {}, timeoutMs = this.timeoutMs) {
     let resp;
     try {
-      resp = await fetch(this.base + path, {
-        method,
-        headers: body === undefined ? headers : { "content-type": "application/json", ...headers },
-        body: body === undefined ? undefined : JSON.stringify(body),
-        signal: AbortSignal.timeout(timeoutMs),
-      });
+      resp = await this.#send(method, path, body === undefined ? undefined : JSON.stringify(body), headers, timeoutMs);
     } catch (e) {
-      throw new AdmitdUnavailable(`cannot reach admitd at ${this.base}: ${e.cause?.code ?? e.message}`, { cause: e });
+      throw new AdmitdUnavailable(`cannot reach admitd at ${this.base}: ${e.code ?? e.name ?? e.message}`, { cause: e });
     }
-    const text = await resp.text();
+    const { status, headers: respHeaders, text } = resp;
     let parsed;
     try {
       parsed = text ? JSON.parse(text) : {};
     } catch {
       parsed = { error: "not_json", message: text.slice(0, 200) };
     }
-    if (resp.status >= 500) {
-      throw new AdmitdUnavailable(`admitd answered ${resp.status}: ${text.slice(0, 200)}`);
+    if (status >= 500) {
+      throw new AdmitdUnavailable(`admitd answered ${status}: ${text.slice(0, 200)}`);
     }
-    return { status: resp.status, headers: Object.fromEntries(resp.headers), body: parsed };
+    return { status, headers: respHeaders, body: parsed };
+  }
+
+  // One HTTP exchange straight to admitd over the client's own keep-alive connections. admitd runs
+  // beside the server, so the request never goes through a proxy named in the environment
+  // (HTTP_PROXY with NODE_USE_ENV_PROXY, or a global fetch dispatcher): a proxy cannot reach the
+  // loopback address it would be asked for.
+  #send(method, path, payload, headers, timeoutMs) {
+    return new Promise((resolve, reject) => {
+      const h = { ...headers };
+      if (payload !== undefined) {
+        h["content-type"] = "application/json";
+        h["content-length"] = Buffer.byteLength(payload);
+      }
+      const req = http.request(
+        { host: this.host, port: this.port, path, method, headers: h, agent: this.agent, signal: AbortSignal.timeout(timeoutMs) },
+        (res) => {
+          const chunks = [];
+          res.on("data", (c) => chunks.push(c));
+          res.on("error", reject);
+          res.on("end", () => {
+            const flat = {};
+            for (const [k, v] of Object.entries(res.headers)) flat[k] = Array.isArray(v) ? v.join(", ") : v;
+            resolve({ status: res.statusCode, headers: flat, text: Buffer.concat(chunks).toString("utf8") });
+          });
+        },
+      );
+      req.on("error", reject);
+      req.end(payload);
+    });
   }
 
   static #error(status, body) {

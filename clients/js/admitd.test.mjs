@@ -187,6 +187,64 @@ describe("against the daemon", { skip: haveBinary ? false : `no admitd binary at
     await assert.rejects(pending, { name: "AbortError" });
     assert.equal(await inflight("t-abort"), 0);
   });
+  test("proxies named in the environment or a global fetch are not used", { timeout: 30000 }, async () => {
+    // A proxy that refuses everything, as one that cannot reach loopback would.
+    let proxied = 0;
+    const open = new Set();
+    const proxy = createServer((sock) => {
+      proxied += 1;
+      open.add(sock);
+      sock.end("HTTP/1.1 403 Forbidden\r\ncontent-length: 6\r\nconnection: close\r\n\r\ndenied");
+    });
+    await new Promise((ok) => proxy.listen(0, "127.0.0.1", ok));
+    const proxyUrl = `http://127.0.0.1:${proxy.address().port}`;
+    const realFetch = globalThis.fetch;
+    try {
+      // A process-wide fetch that goes through the proxy.
+      globalThis.fetch = (url, init) => realFetch(proxyUrl, { ...init, headers: { ...init?.headers, "x-to": String(url) } });
+      const d = await admitd.admit({ tenant: "t-proxy", subject: "bot", tool: "search" });
+      assert.equal(d.admitted, true);
+      assert.equal(await admitd.release(d.leaseId), true);
+      globalThis.fetch = realFetch;
+
+      // Node's own proxy support, switched on by the environment, in a process of its own.
+      const script =
+        `import { Admitd } from ${JSON.stringify(join(ROOT, "clients", "js", "admitd.mjs"))};` +
+        `const a = new Admitd(${JSON.stringify(daemon.url)}, { failOpen: false });` +
+        `const d = await a.admit({ tenant: "t-proxy-env", subject: "bot", tool: "search" });` +
+        `console.log(JSON.stringify([d.admitted, d.degraded, await a.release(d.leaseId)]));`;
+      const env = { ...process.env, NODE_USE_ENV_PROXY: "1", HTTP_PROXY: proxyUrl, http_proxy: proxyUrl, NO_PROXY: "", no_proxy: "" };
+      const child = spawn(process.execPath, ["--input-type=module", "-e", script], { env, stdio: ["ignore", "pipe", "inherit"] });
+      let out = "";
+      child.stdout.setEncoding("utf8").on("data", (c) => (out += c));
+      const code = await new Promise((ok) => child.on("exit", ok));
+      assert.equal(code, 0);
+      assert.deepEqual(JSON.parse(out), [true, false, true]);
+      assert.equal(proxied, 0, "no request went to the proxy");
+    } finally {
+      globalThis.fetch = realFetch;
+      for (const sock of open) sock.destroy();
+      await new Promise((ok) => proxy.close(ok));
+    }
+  });
+
+  test("requests share kept-alive connections", { timeout: 30000 }, async () => {
+    const sockets = new Set();
+    const watch = (req) => req.on("socket", (s) => sockets.add(s));
+    // Count the distinct sockets behind ten sequential requests.
+    const agent = admitd.agent;
+    const orig = agent.addRequest;
+    agent.addRequest = function (req, opts) {
+      watch(req);
+      return orig.call(this, req, opts);
+    };
+    try {
+      for (let i = 0; i < 10; i++) assert.equal(await admitd.tenant("nobody-here"), null);
+    } finally {
+      agent.addRequest = orig;
+    }
+    assert.equal(sockets.size, 1, `${sockets.size} connections for 10 requests`);
+  });
 });
 
 describe("without the daemon", () => {
@@ -210,6 +268,14 @@ describe("without the daemon", () => {
     assert.equal(d.retryAfterMs, 7000);
     assert.match(d.toolResult.content[0].text, /Wait 7 seconds/);
     await assert.rejects(admitd.release("00", "ok"), AdmitdUnavailable);
+  });
+
+  test("an IPv6 address is reached without its brackets", async () => {
+    const admitd = new Admitd("http://[::1]:1", { failOpen: false, unavailableRetryS: 3, logger: quiet });
+    assert.equal(admitd.host, "::1");
+    assert.equal(admitd.port, 1);
+    const d = await admitd.admit({ tenant: "t", subject: "bot", tool: "search" });
+    assert.deepEqual([d.admitted, d.degraded, d.retryAfterMs], [false, true, 3000]);
   });
 
   test("only http URLs", () => {
