@@ -137,7 +137,14 @@ pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError
             "the request body must be a JSON object ({\"name\": value, ...})",
         ));
     }
-    serde_json::from_slice(bytes).map_err(|e| {
+    // serde_json checks the UTF-8 of every string it reads from bytes, keys included (seven per
+    // admission); checked once for the whole body, the strings are read from a `str` as they are.
+    // A body that is not UTF-8 goes the slow way, for serde's own error message and position.
+    let parsed = match std::str::from_utf8(bytes) {
+        Ok(text) => serde_json::from_str(text),
+        Err(_) => serde_json::from_slice(bytes),
+    };
+    parsed.map_err(|e| {
         let what = match e.classify() {
             serde_json::error::Category::Data => "the JSON does not match the request schema",
             serde_json::error::Category::Eof => "the JSON ends too early",
@@ -251,6 +258,21 @@ mod tests {
             .message
             .contains("not valid JSON"));
         assert_eq!(parse_json::<T>(b"{\"a\":3}").unwrap().a, 3);
+        #[derive(serde::Deserialize, Debug)]
+        struct S<'a> {
+            #[serde(borrow)]
+            s: std::borrow::Cow<'a, str>,
+        }
+        // Not UTF-8: serde's message, with where.
+        let e = parse_json::<S>(b"{\"s\":\"a\xffb\"}").unwrap_err();
+        assert!(e.message.contains("not valid JSON"), "{}", e.message);
+        assert!(e.message.contains("column 8"), "{}", e.message);
+        // UTF-8 beyond ASCII, borrowed from the body; escapes still unescaped.
+        let body = "{\"s\":\"caf\u{e9} \u{1f600}\"}".as_bytes();
+        let parsed = parse_json::<S>(body).unwrap();
+        assert_eq!(parsed.s, "caf\u{e9} \u{1f600}");
+        assert!(matches!(parsed.s, std::borrow::Cow::Borrowed(_)));
+        assert_eq!(parse_json::<S>(br#"{"s":"a\u00e9"}"#).unwrap().s, "a\u{e9}");
         assert_eq!(parse_json::<T>(b" \n{\"a\":4}").unwrap().a, 4);
         // Serde alone would take a struct's fields from an array.
         for not_an_object in [&b"[3]"[..], b" [3] ", b"3", b"\"a\"", b"null"] {
