@@ -465,8 +465,35 @@ fn upstream_configs<'a>(cfg: &'a Config, r: &Resolved) -> UpstreamConfigs<'a> {
         .collect()
 }
 
-/// Tool and upstream names a tenant keeps shared copies of, at most.
-const NAMES: usize = 1024;
+/// Tool and upstream names a thread keeps shared copies of, at most ([`intern`]).
+const NAMES: usize = 4096;
+
+thread_local! {
+    /// Shared copies of the tool and upstream names calls use, one set per thread for every tenant
+    /// engine on it: a deployment has few such names, and a set per tenant put two or three cache
+    /// misses on every admission (the tenant's table, then the name's count) where one small set
+    /// that every call uses stays in cache.
+    static NAME_SET: std::cell::RefCell<hashbrown::HashMap<CompactString, Arc<str>, foldhash::fast::RandomState>> =
+        std::cell::RefCell::new(hashbrown::HashMap::default());
+}
+
+/// The shared copy of a tool or upstream name, so a call does not allocate its names (and free them
+/// on the telemetry thread, the last to drop them). The set is bounded: past [`NAMES`] names it
+/// starts over (names still in use stay alive where they are used).
+fn intern(name: &str) -> Arc<str> {
+    NAME_SET.with(|set| {
+        let mut set = set.borrow_mut();
+        if let Some(a) = set.get(name) {
+            return a.clone();
+        }
+        if set.len() >= NAMES {
+            set.clear();
+        }
+        let a: Arc<str> = Arc::from(name);
+        set.insert(CompactString::from(name), a.clone());
+        a
+    })
+}
 
 /// The admission state of one tenant.
 pub struct TenantEngine {
@@ -478,9 +505,6 @@ pub struct TenantEngine {
     subjects: hashbrown::HashMap<CompactString, SubjectState, foldhash::fast::RandomState>,
     tenant_bucket: Bucket,
     upstreams: HashMap<Arc<str>, UpstreamState>,
-    /// Shared copies of the tool and upstream names calls use ([`TenantEngine::intern`]), so a call
-    /// does not allocate its names (and free them on the telemetry thread, the last to drop them).
-    names: hashbrown::HashMap<CompactString, Arc<str>, foldhash::fast::RandomState>,
     /// Decides subjects' metric labels ([`TenantEngine::subject_names`]).
     labels: Option<Arc<SubjectLabels>>,
     inflight: u32,
@@ -513,7 +537,6 @@ impl TenantEngine {
             subjects: hashbrown::HashMap::default(),
             tenant_bucket: Bucket::default(),
             upstreams: HashMap::default(),
-            names: hashbrown::HashMap::default(),
             labels: None,
             inflight: 0,
             quota: QuotaCounter::default(),
@@ -585,20 +608,6 @@ impl TenantEngine {
         self.next_id
     }
 
-    /// The shared copy of a tool or upstream name. The set is bounded: past [`NAMES`] names it
-    /// starts over (names still in use stay alive where they are used).
-    fn intern(&mut self, name: &str) -> Arc<str> {
-        if let Some(a) = self.names.get(name) {
-            return a.clone();
-        }
-        if self.names.len() >= NAMES {
-            self.names.clear();
-        }
-        let a: Arc<str> = Arc::from(name);
-        self.names.insert(CompactString::from(name), a.clone());
-        a
-    }
-
     /// Applies tool defaults: upstreams (the request's, else the tool's), then cost.
     pub fn resolve(&mut self, req: &AdmitRequest) -> Resolved {
         let cfg = Arc::clone(&self.policy.cfg);
@@ -608,13 +617,10 @@ impl TenantEngine {
                 let units = tool
                     .and_then(|t| t.upstreams.iter().find(|(n, _)| **n == **u))
                     .map_or(1.0, |x| x.1);
-                vec![(self.intern(u), units)]
+                vec![(intern(u), units)]
             }
             None => tool.map_or_else(Vec::new, |t| {
-                t.upstreams
-                    .iter()
-                    .map(|(n, x)| (self.intern(n), *x))
-                    .collect()
+                t.upstreams.iter().map(|(n, x)| (intern(n), *x)).collect()
             }),
         };
         let upstream = primary_upstream(&upstreams);
@@ -626,7 +632,7 @@ impl TenantEngine {
         Resolved {
             subject,
             subject_label,
-            tool: self.intern(&req.tool),
+            tool: intern(&req.tool),
             upstream,
             upstreams,
             cost,
@@ -2279,5 +2285,46 @@ mod lease_size {
     #[test]
     fn a_lease_stays_within_104_bytes() {
         assert!(std::mem::size_of::<Option<super::Lease>>() <= 104);
+    }
+}
+
+#[cfg(test)]
+mod name_set {
+    use super::*;
+    use crate::engine::test_support::{call, harness};
+
+    fn set_len() -> usize {
+        NAME_SET.with(|s| s.borrow().len())
+    }
+
+    #[test]
+    fn tenants_on_one_thread_share_the_names_of_tools_and_upstreams() {
+        let (_clock, cfg, shared) = harness("", 0);
+        let mut a = TenantEngine::new(Arc::from("a"), cfg.clone(), shared.clone(), 1);
+        let mut b = TenantEngine::new(Arc::from("b"), cfg, shared, 2);
+        let mut req = call("s", "search");
+        req.upstream = Some("warehouse".into());
+        let (ra, rb) = (a.resolve(&req), b.resolve(&req));
+        assert!(Arc::ptr_eq(&ra.tool, &rb.tool));
+        assert!(Arc::ptr_eq(&ra.upstreams[0].0, &rb.upstreams[0].0));
+        assert_eq!((&*ra.tool, &*ra.upstreams[0].0), ("search", "warehouse"));
+        // Another thread keeps a set of its own.
+        let there = std::thread::spawn(|| intern("search")).join().unwrap();
+        assert!(!Arc::ptr_eq(&there, &ra.tool));
+        assert_eq!(&*there, "search");
+    }
+
+    #[test]
+    fn the_set_is_bounded_and_names_in_use_outlive_it() {
+        let kept = intern("kept-name");
+        assert!(Arc::ptr_eq(&kept, &intern("kept-name")));
+        for i in 0..NAMES {
+            intern(&format!("name-{i}"));
+            assert!(set_len() <= NAMES);
+        }
+        // The set started over on the way: the name in use is still whole, and a new copy is made.
+        assert_eq!(&*kept, "kept-name");
+        assert!(!Arc::ptr_eq(&kept, &intern("kept-name")));
+        assert!(set_len() <= NAMES);
     }
 }
