@@ -82,7 +82,15 @@ export class Admitd {
   async #request(method, path, body, headers = {}, timeoutMs = this.timeoutMs) {
     let resp;
     try {
-      resp = await this.#send(method, path, body === undefined ? undefined : JSON.stringify(body), headers, timeoutMs);
+      const payload = body === undefined ? undefined : JSON.stringify(body);
+      try {
+        resp = await this.#send(method, path, payload, headers, timeoutMs);
+      } catch (e) {
+        // A kept-alive connection that admitd had already closed: the request never got there, so
+        // sending it once more on a new connection is safe.
+        if (!e.reusedSocket || !["ECONNRESET", "EPIPE"].includes(e.code)) throw e;
+        resp = await this.#send(method, path, payload, headers, timeoutMs);
+      }
     } catch (e) {
       throw new AdmitdUnavailable(`cannot reach admitd at ${this.base}: ${e.code ?? e.name ?? e.message}`, { cause: e });
     }
@@ -123,7 +131,10 @@ export class Admitd {
           });
         },
       );
-      req.on("error", reject);
+      req.on("error", (e) => {
+        e.reusedSocket = req.reusedSocket;
+        reject(e);
+      });
       req.end(payload);
     });
   }

@@ -270,6 +270,59 @@ describe("without the daemon", () => {
     await assert.rejects(admitd.release("00", "ok"), AdmitdUnavailable);
   });
 
+  test("a kept-alive connection closed by admitd is replaced, and the request sent again", { timeout: 30000 }, async () => {
+    // Answers the first request on each connection; a second request on the first connection is
+    // read and the connection closed without an answer, as a daemon that closed it would.
+    const seen = [];
+    const server = createServer((sock) => {
+      const conn = seen.length;
+      seen.push(0);
+      let buf = "";
+      sock.on("data", (chunk) => {
+        buf += chunk;
+        while (buf.includes("\r\n\r\n")) {
+          const end = buf.indexOf("\r\n\r\n") + 4;
+          const len = Number(/content-length: *(\d+)/i.exec(buf.slice(0, end))?.[1] ?? 0);
+          if (buf.length < end + len) return;
+          buf = buf.slice(end + len);
+          seen[conn] += 1;
+          if (conn === 0 && seen[conn] === 2) {
+            sock.destroy();
+            return;
+          }
+          const body = '{"tenant":"t"}';
+          sock.write(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${body.length}\r\n\r\n${body}`);
+        }
+      });
+    });
+    await new Promise((ok) => server.listen(0, "127.0.0.1", ok));
+    try {
+      const admitd = new Admitd(`http://127.0.0.1:${server.address().port}`, { logger: quiet });
+      assert.equal((await admitd.tenant("t")).tenant, "t");
+      assert.equal((await admitd.tenant("t")).tenant, "t");
+      assert.deepEqual(seen, [2, 1], "the second request went out again on a new connection");
+      admitd.agent.destroy();
+    } finally {
+      await new Promise((ok) => server.close(ok));
+    }
+  });
+
+  test("a closed connection on a fresh socket is not retried", { timeout: 30000 }, async () => {
+    let accepted = 0;
+    const server = createServer((sock) => {
+      accepted += 1;
+      sock.on("data", () => sock.destroy());
+    });
+    await new Promise((ok) => server.listen(0, "127.0.0.1", ok));
+    try {
+      const admitd = new Admitd(`http://127.0.0.1:${server.address().port}`, { logger: quiet });
+      await assert.rejects(admitd.tenant("t"), AdmitdUnavailable);
+      assert.equal(accepted, 1);
+    } finally {
+      await new Promise((ok) => server.close(ok));
+    }
+  });
+
   test("an IPv6 address is reached without its brackets", async () => {
     const admitd = new Admitd("http://[::1]:1", { failOpen: false, unavailableRetryS: 3, logger: quiet });
     assert.equal(admitd.host, "::1");
