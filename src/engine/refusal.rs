@@ -53,13 +53,39 @@ pub fn speakable(name: &str) -> bool {
             .chars()
             .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | ' '))
         && !name.chars().all(|c| c.is_ascii_digit());
-    // A long run of letters and digits with no separator is a token or key, not a name: one with a
-    // digit in it (`AKIAIOSFODNN7EXAMPLE`, a hex digest), or one longer than words are.
-    let key_like = name.split(|c: char| !c.is_alphanumeric()).any(|run| {
+    if !logical || name.to_ascii_lowercase().contains("localhost") {
+        return false;
+    }
+    // Read run by run (the text is written for every refused call, so nothing is collected).
+    let runs = || {
+        name.split(|c: char| !c.is_alphanumeric())
+            .filter(|r| !r.is_empty())
+    };
+    let number = |r: &str| r.chars().all(|c| c.is_ascii_digit());
+    // A run of letters and digits with no separator is a token or key, not a name: a long one with a
+    // digit in it (`AKIAIOSFODNN7EXAMPLE`, a hex digest), one longer than words are, one that mixes
+    // several letters and digits (`sk-live-abc123def456`), or a hex literal (`0x7f000001`).
+    let key_like = runs().any(|run| {
         let len = run.chars().count();
-        (len >= 16 && run.chars().any(|c| c.is_ascii_digit())) || len >= 24
+        let digits = run.chars().filter(char::is_ascii_digit).count();
+        (len >= 16 && digits > 0)
+            || len >= 24
+            || (len >= 8 && digits >= 3 && len - digits >= 3)
+            || run
+                .strip_prefix("0x")
+                .or_else(|| run.strip_prefix("0X"))
+                .is_some_and(|hex| !hex.is_empty() && hex.chars().all(|c| c.is_ascii_hexdigit()))
     });
-    logical && !key_like && !name.to_ascii_lowercase().contains("localhost")
+    // An address written with other separators (`192-168-1-10`, `10 0 0 5`), or a host numbered the
+    // way machines are (`db-prod-01`).
+    let address_like = || {
+        runs().filter(|r| number(r)).count() >= 3
+            || (runs().count() >= 3
+                && runs()
+                    .next_back()
+                    .is_some_and(|r| number(r) && r.len() >= 2 && r.starts_with('0')))
+    };
+    !key_like && !address_like()
 }
 
 /// A configured name as the text shows it: itself when [`speakable`], else `generic`.
@@ -251,6 +277,13 @@ mod tests {
             "openai-gpt4",
             "Lager Nord",
             "get_sales",
+            "billing-v2",
+            "crm_2024",
+            "eu-west-1 warehouse",
+            "warehouse 2",
+            "倉庫",
+            "日本語の倉庫",
+            "0x",
         ] {
             assert!(speakable(name), "{name}");
         }
@@ -267,6 +300,11 @@ mod tests {
             "0123456789abcdef0123456789abcdef",
             "localhost",
             "LOCALHOST",
+            "0x7f000001",
+            "192-168-1-10",
+            "127 0 0 1",
+            "sk-live-abc123def456",
+            "db-prod-01",
             "",
             "a_name_far_longer_than_any_operator_would_write",
         ] {
