@@ -671,3 +671,35 @@ fn upstream_rate_gauges_show_the_cut_and_return_to_the_configured_rate() {
         rate(&d)
     );
 }
+
+#[test]
+fn admitted_calls_are_logged_with_their_call_id_only_when_asked() {
+    let config = "[limits.subject]\nrate = \"1/h\"\nburst = 1\n";
+    let call = |id: &str| json!({"tenant": "acme", "subject": "bot", "tool": "search", "call_id": id, "max_wait_ms": 0});
+    for (filter, logged) in [("info,admitd::admission=debug", true), ("info", false)] {
+        let d = Daemon::start_logging(config, filter);
+        assert_eq!(d.admit(call("c-admitted-7")).status, 200);
+        assert_eq!(d.admit(call("c-refused-8")).status, 429);
+        // The telemetry thread logs in order: once the refusal is logged, so is the admission if
+        // it is to be.
+        assert!(
+            d.logged("c-refused-8", Duration::from_secs(10)),
+            "{filter}: no refusal line"
+        );
+        let lines = d.log_lines();
+        let line = lines.iter().find(|l| l.contains("c-admitted-7"));
+        assert_eq!(line.is_some(), logged, "{filter}: {lines:?}");
+        if let Some(line) = line {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["target"], "admitd::admission");
+            assert_eq!(v["fields"]["message"], "call admitted");
+            assert_eq!(v["fields"]["tool"], "search");
+            assert_eq!(v["fields"]["call_id"], "c-admitted-7");
+            assert_eq!(v["fields"]["subject_hash"].as_str().unwrap().len(), 16);
+            assert!(
+                !line.contains("\"bot\""),
+                "the subject is logged in clear: {line}"
+            );
+        }
+    }
+}

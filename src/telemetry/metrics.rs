@@ -422,6 +422,21 @@ impl MetricsActor {
                 self.suppressed_total += 1;
                 self.suppressed_recent += 1;
             }
+        } else {
+            // One line per admitted call, for operators who follow calls by their `call_id`: off
+            // unless asked for (`ADMITD_LOG=info,admitd::admission=debug`); nothing here is
+            // evaluated when it is off.
+            tracing::debug!(
+                target: "admitd::admission",
+                tenant = %d.tenant,
+                subject_hash = %hash_identity(&d.subject),
+                tool = %d.tool,
+                upstream = d.upstream.as_deref().unwrap_or(NO_UPSTREAM),
+                cost = d.cost,
+                waited_ms = crate::clock::ceil_ms(d.waited_ns),
+                call_id = d.call_id.as_deref().unwrap_or(""),
+                "call admitted"
+            );
         }
     }
 

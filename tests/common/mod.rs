@@ -33,6 +33,16 @@ impl Answer {
     }
 }
 
+/// A config file holding `text`, removed when dropped.
+fn config_file(text: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::Builder::new()
+        .suffix(".toml")
+        .tempfile()
+        .expect("temp config");
+    f.write_all(text.as_bytes()).expect("write config");
+    f
+}
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_admitd")
 }
@@ -45,30 +55,29 @@ impl Daemon {
 
     /// Starts the daemon with this config text.
     pub fn start(config: &str) -> Daemon {
-        let mut f = tempfile::Builder::new()
-            .suffix(".toml")
-            .tempfile()
-            .expect("temp config");
-        f.write_all(config.as_bytes()).expect("write config");
-        Self::spawn(Some(f))
+        Self::spawn_with(Some(config_file(config)), None, "info")
+    }
+
+    /// Starts the daemon with this config text and log filter (`ADMITD_LOG`).
+    pub fn start_logging(config: &str, filter: &str) -> Daemon {
+        Self::spawn_with(Some(config_file(config)), None, filter)
     }
 
     /// Starts the daemon with this config text and at most `max_fds` open file descriptors
     /// (`ulimit -n`).
     pub fn start_with_fd_limit(config: &str, max_fds: u32) -> Daemon {
-        let mut f = tempfile::Builder::new()
-            .suffix(".toml")
-            .tempfile()
-            .expect("temp config");
-        f.write_all(config.as_bytes()).expect("write config");
-        Self::spawn_with(Some(f), Some(max_fds))
+        Self::spawn_with(Some(config_file(config)), Some(max_fds), "info")
     }
 
     fn spawn(config: Option<tempfile::NamedTempFile>) -> Daemon {
-        Self::spawn_with(config, None)
+        Self::spawn_with(config, None, "info")
     }
 
-    fn spawn_with(config: Option<tempfile::NamedTempFile>, max_fds: Option<u32>) -> Daemon {
+    fn spawn_with(
+        config: Option<tempfile::NamedTempFile>,
+        max_fds: Option<u32>,
+        log_filter: &str,
+    ) -> Daemon {
         let mut cmd = match max_fds {
             // The shell lowers the limit and then becomes admitd (`exec`), so the child is admitd.
             Some(n) => {
@@ -86,7 +95,7 @@ impl Daemon {
         }
         cmd.stdout(Stdio::null())
             .stderr(Stdio::piped())
-            .env("ADMITD_LOG", "info");
+            .env("ADMITD_LOG", log_filter);
         let mut child = cmd.spawn().expect("spawn admitd");
         let stderr = child.stderr.take().expect("stderr");
         let log = Arc::new(Mutex::new(Vec::new()));
