@@ -65,6 +65,11 @@ mod tests {
             parse_retry_after("Wed, 21 Oct 2026 07:00:00 GMT", NOW).unwrap(),
             Duration::ZERO
         );
+        // A date years away is a day at most, as a delay is.
+        assert_eq!(
+            parse_retry_after("Fri, 31 Dec 9999 23:59:59 GMT", NOW).unwrap(),
+            MAX_PENALTY
+        );
     }
 
     #[test]
