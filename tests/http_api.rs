@@ -553,6 +553,22 @@ fn concurrency_slots_queue_fifo_and_expire_with_the_lease_ttl() {
 }
 
 #[test]
+fn a_lease_frees_its_slot_at_its_ttl() {
+    let d = Daemon::start("[server]\nlease_ttl = \"1s\"\n[limits.subject]\nconcurrency = 1\n");
+    // Never released: a call queued for the slot gets it when the lease's second is up (the
+    // once-a-second tick could come up to a second later).
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+    let queued = d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 2000}));
+    assert_eq!(queued.status, 200, "{:?}", queued.body);
+    let waited = queued.body["waited_ms"].as_u64().unwrap();
+    assert!((700..=1500).contains(&waited), "waited_ms {waited}");
+    // And a call that comes once the TTL has passed finds the slot free, whatever the tick does.
+    std::thread::sleep(Duration::from_millis(1100));
+    let after = d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 0}));
+    assert_eq!(after.status, 200, "{:?}", after.body);
+}
+
+#[test]
 fn a_queued_caller_that_hangs_up_leaks_no_slot() {
     let d = Daemon::start("[limits.subject]\nconcurrency = 1\n");
     let first = d.admit(call("t", "s", "x"));

@@ -123,9 +123,11 @@ impl TenantActor {
         }
     }
 
-    fn tick(&mut self, ctx: &mut Context<Self>) {
-        let (now, wall) = self.now();
-        let (expired, granted) = self.engine.expire_leases(now, wall);
+    /// Expires the leases past their TTL and hands their slots to queued calls.
+    fn expire_leases(&mut self, now: Nanos, wall: i64) {
+        let (mut expired, granted) = self.engine.expire_leases(now, wall);
+        // Leases an admission expired since the last tick are reported with these.
+        expired.extend(self.engine.take_expired());
         if !expired.is_empty() {
             self.shared
                 .telemetry
@@ -135,6 +137,19 @@ impl TenantActor {
                 });
         }
         self.deliver(granted);
+    }
+
+    /// Expires leases now if any is due: for a snapshot, and when a queued call's wait may end
+    /// before the next tick (admissions expire leases themselves when they need a slot).
+    fn expire_due_leases(&mut self, now: Nanos, wall: i64) {
+        if self.engine.next_lease_expiry().is_some_and(|at| at <= now) {
+            self.expire_leases(now, wall);
+        }
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        let (now, wall) = self.now();
+        self.expire_leases(now, wall);
         self.ticks = self.ticks.wrapping_add(1);
         if self.ticks % PRUNE_EVERY_TICKS == 0 {
             self.engine.prune(now, wall);
@@ -250,7 +265,10 @@ impl TenantActor {
         if now.saturating_sub(sent) > super::ASK_TIMEOUT.as_nanos() as u64 {
             return AdmitReply::Late;
         }
-        match self.engine.admit(req, now, wall) {
+        let result = self.engine.admit(req, now, wall);
+        // Queued calls that got the slots of leases this admission expired.
+        self.flush();
+        match result {
             AdmitResult::Decided(d) => {
                 self.count(truly_admitted(&d));
                 AdmitReply::Decided(d, self.engine.tenant().clone())
@@ -258,10 +276,18 @@ impl TenantActor {
             AdmitResult::Queued { waiter, deadline } => {
                 let (tx, rx) = oneshot::channel();
                 self.waiters.insert(waiter, tx);
+                // A lease that expires before the wait ends frees its slot for this call then.
+                if let Some(at) = self.engine.next_lease_expiry().filter(|&at| at < deadline) {
+                    ctx.run_later(Duration::from_nanos(at.saturating_sub(now)), |act, _| {
+                        let (now, wall) = act.now();
+                        act.expire_due_leases(now, wall);
+                    });
+                }
                 ctx.run_later(
                     Duration::from_nanos(deadline.saturating_sub(now)),
                     |act, _| {
-                        let (now, _) = act.now();
+                        let (now, wall) = act.now();
+                        act.expire_due_leases(now, wall);
                         let expired = act.engine.expire_waiters(now);
                         act.deliver(expired);
                     },
@@ -392,6 +418,7 @@ impl Handler<Snapshot> for TenantActor {
 
     fn handle(&mut self, _: Snapshot, _: &mut Context<Self>) -> Self::Result {
         let (now, wall) = self.now();
+        self.expire_due_leases(now, wall);
         self.engine
             .has_state(now, wall)
             .then(|| self.engine.snapshot(now, wall))
@@ -611,6 +638,84 @@ mod tests {
             assert!(matches!(reply, AdmitReply::Decided(ref d, ref t) if d.is_admitted() && &**t == "acme"));
             let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
             assert!(matches!(snapshot, Some(Some(s)) if s.leases == 1));
+        });
+    }
+
+    /// A tenant with one concurrency slot and a one-second lease TTL, on a fake clock, with no tick
+    /// running: only the admission path can expire leases.
+    fn one_slot() -> (Arc<FakeClock>, Arc<Shared>) {
+        let clock = Arc::new(FakeClock::new(0));
+        let cfg = Config::parse(
+            "t.toml",
+            "[server]\nlease_ttl = \"1s\"\n[limits.tenant]\nconcurrency = 1\n",
+        )
+        .unwrap();
+        let shared = Shared::new(
+            cfg,
+            clock.clone(),
+            Telemetry::default(),
+            vec![actix::Arbiter::current()],
+        );
+        (clock, shared)
+    }
+
+    fn admitted(reply: &AdmitReply) -> bool {
+        matches!(reply, AdmitReply::Decided(d, _) if d.is_admitted())
+    }
+
+    #[test]
+    fn a_lease_frees_its_slot_at_its_ttl_without_waiting_for_the_tick() {
+        actix::System::new().block_on(async {
+            let (clock, shared) = one_slot();
+            let first = shared.admit("acme", req(), clock.mono()).await.unwrap();
+            assert!(admitted(&first));
+            clock.advance(Duration::from_millis(999));
+            let early = shared.admit("acme", req(), clock.mono()).await.unwrap();
+            assert!(!admitted(&early), "the slot is still held before the TTL");
+            clock.advance(Duration::from_millis(1));
+            let due = shared.admit("acme", req(), clock.mono()).await.unwrap();
+            assert!(admitted(&due), "the expired lease gave its slot back");
+            let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
+            assert!(matches!(snapshot, Some(Some(s)) if s.leases == 1 && s.inflight == 1));
+        });
+    }
+
+    #[test]
+    fn a_snapshot_does_not_show_leases_past_their_ttl() {
+        actix::System::new().block_on(async {
+            let (clock, shared) = one_slot();
+            shared.admit("acme", req(), clock.mono()).await.unwrap();
+            clock.advance(Duration::from_secs(1));
+            let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
+            assert!(
+                matches!(snapshot, Some(Some(ref s)) if s.leases == 0 && s.inflight == 0),
+                "{snapshot:?}"
+            );
+        });
+    }
+
+    #[test]
+    fn a_queued_call_gets_the_slot_when_the_lease_holding_it_expires() {
+        actix::System::new().block_on(async {
+            let (clock, shared) = one_slot();
+            shared.admit("acme", req(), clock.mono()).await.unwrap();
+            // Allowed to wait (fake) 5 s, the second call queues for the slot.
+            let waiting = AdmitRequest {
+                max_wait_ns: 5_000_000_000,
+                ..req()
+            };
+            let reply = shared.admit("acme", waiting, clock.mono()).await.unwrap();
+            let AdmitReply::Queued { rx, .. } = reply else {
+                panic!("expected to queue")
+            };
+            // The lease is past its TTL on the fake clock; the actor's timer for it fires after the
+            // same (real) second, well before the wait's end.
+            clock.advance(Duration::from_millis(1500));
+            let decision = tokio::time::timeout(Duration::from_secs(3), rx)
+                .await
+                .expect("decided when the lease expired, not at the wait's end")
+                .unwrap();
+            assert!(decision.is_admitted());
         });
     }
 }

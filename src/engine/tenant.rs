@@ -465,6 +465,9 @@ fn upstream_configs<'a>(cfg: &'a Config, r: &Resolved) -> UpstreamConfigs<'a> {
         .collect()
 }
 
+/// An expired lease as telemetry counts it: (subject label, tool, primary upstream).
+pub type ExpiredLease = (Arc<str>, Arc<str>, Option<Arc<str>>);
+
 /// Tool and upstream names a thread keeps shared copies of, at most ([`intern`]).
 const NAMES: usize = 4096;
 
@@ -511,6 +514,12 @@ pub struct TenantEngine {
     quota: QuotaCounter,
     leases: Leases<Lease>,
     expiries: BinaryHeap<Reverse<(Nanos, u64)>>,
+    /// No lease expires before this (the earliest entry of `expiries`, or later once it is stale), so
+    /// an admission learns whether leases are due without reading the heap.
+    next_expiry: Nanos,
+    /// Leases expired outside [`TenantEngine::expire_leases`] (by an admission that needed their
+    /// slot) and not yet taken with [`TenantEngine::take_expired`].
+    expired: Vec<ExpiredLease>,
     waiters: VecDeque<Waiter>,
     /// Decisions for queued calls made outside `release` (a penalty from feedback sheds the calls
     /// queued for that upstream at once); the actor collects them with `drain_decisions`.
@@ -542,6 +551,8 @@ impl TenantEngine {
             quota: QuotaCounter::default(),
             leases: Leases::new(rng.next_u64()),
             expiries: BinaryHeap::new(),
+            next_expiry: Nanos::MAX,
+            expired: Vec::new(),
             waiters: VecDeque::new(),
             pending: Vec::new(),
             global_promised: 0,
@@ -986,7 +997,7 @@ impl TenantEngine {
         if let Some(shed) = self.adaptive(&r, &configs, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
-        if self.take_slots_if_free(&r) {
+        if self.take_slots_if_free(&r) || self.take_expired_slots(&r, now, wall_ms) {
             return AdmitResult::Decided(self.after_slots(
                 r,
                 &plan,
@@ -1329,6 +1340,27 @@ impl TenantEngine {
         true
     }
 
+    /// For a call that found no free slot: expires the leases past their TTL, if any is, and takes a
+    /// slot if that freed one. The tick expires leases once a second; this frees a slot at its
+    /// lease's TTL, not up to a second later, and costs nothing while slots are free. Queued calls
+    /// come first: the slots freed go to them (their decisions wait in `pending`), and this call gets
+    /// one only if any is left.
+    fn take_expired_slots(&mut self, r: &Resolved, now: Nanos, wall_ms: i64) -> bool {
+        if self.next_expiry > now {
+            return false;
+        }
+        let mut expired = std::mem::take(&mut self.expired);
+        let granted = self.expire_leases_into(now, wall_ms, &mut expired);
+        self.expired = expired;
+        self.pending.extend(granted);
+        self.take_slots_if_free(r)
+    }
+
+    /// Leases expired by admissions since the last call (see [`TenantEngine::take_expired_slots`]).
+    pub fn take_expired(&mut self) -> Vec<ExpiredLease> {
+        std::mem::take(&mut self.expired)
+    }
+
     fn take_slots(&mut self, r: &Resolved) {
         self.subject_mut(r).inflight += 1;
         self.inflight += 1;
@@ -1478,6 +1510,7 @@ impl TenantEngine {
         });
         let lease = self.leases.insert(Lease::new(&r, true, held, now, expires));
         self.expiries.push(Reverse((expires, lease)));
+        self.next_expiry = self.next_expiry.min(expires);
         Decision {
             verdict: Verdict::Admitted(Admitted {
                 lease,
@@ -1524,6 +1557,7 @@ impl TenantEngine {
                     .leases
                     .insert(Lease::new(&r, false, None, now, expires));
                 self.expiries.push(Reverse((expires, lease)));
+                self.next_expiry = self.next_expiry.min(expires);
                 Verdict::Admitted(Admitted {
                     lease,
                     hold_ns: 0,
@@ -1874,18 +1908,32 @@ impl TenantEngine {
         self.waiters.iter().map(|w| w.deadline).min()
     }
 
+    /// When the next lease may expire (`None` when no lease is held): [`TenantEngine::expire_leases`]
+    /// has nothing to do before then.
+    pub fn next_lease_expiry(&self) -> Option<Nanos> {
+        (self.next_expiry != Nanos::MAX).then_some(self.next_expiry)
+    }
+
     /// Expires leases past their TTL, freeing their slots. Returns the expired leases' (subject, tool,
     /// upstream) and the decisions of queued calls that got a slot.
-    #[allow(clippy::type_complexity)]
     pub fn expire_leases(
         &mut self,
         now: Nanos,
         wall_ms: i64,
-    ) -> (
-        Vec<(Arc<str>, Arc<str>, Option<Arc<str>>)>,
-        Vec<(u64, Decision)>,
-    ) {
+    ) -> (Vec<ExpiredLease>, Vec<(u64, Decision)>) {
         let mut expired = Vec::new();
+        let granted = self.expire_leases_into(now, wall_ms, &mut expired);
+        (expired, granted)
+    }
+
+    /// [`TenantEngine::expire_leases`], appending the expired leases to `expired`.
+    fn expire_leases_into(
+        &mut self,
+        now: Nanos,
+        wall_ms: i64,
+        expired: &mut Vec<ExpiredLease>,
+    ) -> Vec<(u64, Decision)> {
+        let before = expired.len();
         while let Some(Reverse((at, id))) = self.expiries.peek().copied() {
             if at > now {
                 break;
@@ -1908,12 +1956,12 @@ impl TenantEngine {
                 .map(|(id, l)| Reverse((l.expires, id)))
                 .collect();
         }
-        let granted = if expired.is_empty() {
+        self.next_expiry = self.expiries.peek().map_or(Nanos::MAX, |r| r.0 .0);
+        if expired.len() == before {
             Vec::new()
         } else {
             self.grant_waiting(now, wall_ms)
-        };
-        (expired, granted)
+        }
     }
 
     fn sre_window(&self, upstream: &str) -> u64 {
@@ -2326,5 +2374,82 @@ mod name_set {
         assert_eq!(&*kept, "kept-name");
         assert!(!Arc::ptr_eq(&kept, &intern("kept-name")));
         assert!(set_len() <= NAMES);
+    }
+}
+
+#[cfg(test)]
+mod next_lease_expiry {
+    use super::*;
+    use crate::engine::test_support::{call, harness};
+    use crate::engine::Outcome;
+
+    const SEC: Nanos = NS_PER_SEC;
+
+    fn lease(d: &AdmitResult) -> u64 {
+        match d {
+            AdmitResult::Decided(Decision {
+                verdict: Verdict::Admitted(a),
+                ..
+            }) => a.lease,
+            other => panic!("expected an admission, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn is_the_earliest_lease_end_and_none_once_all_are_gone() {
+        let (_clock, cfg, shared) = harness("[server]\nlease_ttl = \"10s\"\n", 0);
+        let mut e = TenantEngine::new(Arc::from("t"), cfg, shared, 1);
+        assert_eq!(e.next_lease_expiry(), None);
+        let a = lease(&e.admit(&call("s", "x"), 5 * SEC, 0));
+        let _b = lease(&e.admit(&call("s", "x"), 7 * SEC, 0));
+        assert_eq!(e.next_lease_expiry(), Some(15 * SEC));
+        // Released early, the first lease leaves a stale entry: expiring at its time finds nothing
+        // to free and moves on to the second lease's end.
+        let info = ReleaseInfo {
+            outcome: Outcome::Ok,
+            upstream_status: None,
+            retry_after: None,
+            duration_ms: None,
+        };
+        e.release(a, &info, 6 * SEC, 0).unwrap();
+        assert_eq!(e.next_lease_expiry(), Some(15 * SEC));
+        let (expired, _) = e.expire_leases(15 * SEC, 0);
+        assert!(expired.is_empty());
+        assert_eq!(e.next_lease_expiry(), Some(17 * SEC));
+        let (expired, _) = e.expire_leases(17 * SEC, 0);
+        assert_eq!(expired.len(), 1);
+        assert_eq!(e.next_lease_expiry(), None);
+    }
+
+    #[test]
+    fn a_call_without_a_slot_expires_due_leases_and_queued_calls_come_first() {
+        let (_clock, cfg, shared) = harness(
+            "[server]\nlease_ttl = \"10s\"\n[limits.tenant]\nconcurrency = 1\n",
+            0,
+        );
+        let mut e = TenantEngine::new(Arc::from("t"), cfg, shared, 1);
+        lease(&e.admit(&call("s", "x"), 0, 0));
+        // No slot: one call queues, one is refused.
+        let waiting = AdmitRequest {
+            max_wait_ns: 20 * SEC,
+            ..call("s", "x")
+        };
+        let AdmitResult::Queued { waiter, .. } = e.admit(&waiting, SEC, 0) else {
+            panic!("expected to queue");
+        };
+        let refused = e.admit(&call("s", "x"), 2 * SEC, 0);
+        assert!(matches!(refused, AdmitResult::Decided(ref d) if !d.is_admitted()));
+        // At the TTL, with no tick: the next call expires the lease, whose slot goes to the queued
+        // call; the new call is refused, and the expiry waits to be reported.
+        let late = e.admit(&call("s", "x"), 10 * SEC, 0);
+        assert!(matches!(late, AdmitResult::Decided(ref d) if !d.is_admitted()));
+        let granted = e.drain_decisions();
+        assert_eq!(granted.len(), 1);
+        assert_eq!(granted[0].0, waiter);
+        assert!(granted[0].1.is_admitted());
+        assert_eq!(e.take_expired().len(), 1);
+        assert!(e.take_expired().is_empty());
+        // The queued call now holds the slot, on a lease of its own.
+        assert_eq!(e.next_lease_expiry(), Some(20 * SEC));
     }
 }

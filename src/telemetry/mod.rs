@@ -139,7 +139,7 @@ pub struct CallCounts {
 }
 
 /// The labels of an expired lease's call: (subject label, tool, upstream).
-pub type ExpiredLease = (Arc<str>, Arc<str>, Option<Arc<str>>);
+pub use crate::engine::tenant::ExpiredLease;
 
 /// State changes and samples from the actors.
 #[derive(Debug, Clone)]
