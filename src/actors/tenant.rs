@@ -41,6 +41,8 @@ pub struct TenantActor {
     ticks: u32,
     /// Answers given since the last report (see [`CallCounts`]).
     calls: CallCounts,
+    /// When the timer armed by [`TenantActor::arm_expiry_timer`] fires, if one is armed.
+    expiry_timer: Option<Nanos>,
 }
 
 /// Admitted, and not a shadow-mode admission that enforce mode would have refused.
@@ -59,6 +61,7 @@ impl TenantActor {
             shared,
             generation,
             waiters: HashMap::new(),
+            expiry_timer: None,
             ticks: 0,
             calls: CallCounts::default(),
         }
@@ -139,12 +142,35 @@ impl TenantActor {
         self.deliver(granted);
     }
 
-    /// Expires leases now if any is due: for a snapshot, and when a queued call's wait may end
-    /// before the next tick (admissions expire leases themselves when they need a slot).
+    /// Expires leases now if any is due: for a snapshot, and for queued calls before the next tick
+    /// (admissions expire leases themselves when they need a slot).
     fn expire_due_leases(&mut self, now: Nanos, wall: i64) {
         if self.engine.next_lease_expiry().is_some_and(|at| at <= now) {
             self.expire_leases(now, wall);
         }
+    }
+
+    /// While calls wait for a slot, a timer at the next lease's end expires it then, so the slot goes
+    /// to the first queued call at that lease's TTL (the tick would come up to a second later). The
+    /// next end may be that of a lease released since (its entry stays until its time): the timer
+    /// then arms itself again for the one after. One timer at a time, however many calls wait.
+    fn arm_expiry_timer(&mut self, now: Nanos, ctx: &mut Context<Self>) {
+        let (Some(at), Some(until)) = (
+            self.engine.next_lease_expiry(),
+            self.engine.next_waiter_deadline(),
+        ) else {
+            return;
+        };
+        if at >= until || self.expiry_timer.is_some_and(|armed| armed <= at) {
+            return;
+        }
+        self.expiry_timer = Some(at);
+        ctx.run_later(Duration::from_nanos(at.saturating_sub(now)), |act, ctx| {
+            act.expiry_timer = None;
+            let (now, wall) = act.now();
+            act.expire_due_leases(now, wall);
+            act.arm_expiry_timer(now, ctx);
+        });
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
@@ -276,13 +302,7 @@ impl TenantActor {
             AdmitResult::Queued { waiter, deadline } => {
                 let (tx, rx) = oneshot::channel();
                 self.waiters.insert(waiter, tx);
-                // A lease that expires before the wait ends frees its slot for this call then.
-                if let Some(at) = self.engine.next_lease_expiry().filter(|&at| at < deadline) {
-                    ctx.run_later(Duration::from_nanos(at.saturating_sub(now)), |act, _| {
-                        let (now, wall) = act.now();
-                        act.expire_due_leases(now, wall);
-                    });
-                }
+                self.arm_expiry_timer(now, ctx);
                 ctx.run_later(
                     Duration::from_nanos(deadline.saturating_sub(now)),
                     |act, _| {
@@ -714,6 +734,47 @@ mod tests {
             let decision = tokio::time::timeout(Duration::from_secs(3), rx)
                 .await
                 .expect("decided when the lease expired, not at the wait's end")
+                .unwrap();
+            assert!(decision.is_admitted());
+        });
+    }
+
+    #[test]
+    fn a_released_lease_does_not_keep_a_queued_call_waiting_past_the_next_lease_end() {
+        actix::System::new().block_on(async {
+            let (clock, shared) = one_slot();
+            // A lease released early leaves its end behind, before the end of the lease that holds
+            // the slot when the next call queues.
+            let AdmitReply::Decided(d, _) =
+                shared.admit("acme", req(), clock.mono()).await.unwrap()
+            else {
+                panic!("decided")
+            };
+            let Verdict::Admitted(a) = d.verdict else {
+                panic!("admitted")
+            };
+            shared.tell_existing("acme", CancelLease(a.lease));
+            clock.advance(Duration::from_millis(500));
+            assert!(admitted(
+                &shared.admit("acme", req(), clock.mono()).await.unwrap()
+            ));
+            let waiting = AdmitRequest {
+                max_wait_ns: 5_000_000_000,
+                ..req()
+            };
+            let AdmitReply::Queued { rx, .. } =
+                shared.admit("acme", waiting, clock.mono()).await.unwrap()
+            else {
+                panic!("expected to queue")
+            };
+            // Past the released lease's end only: the timer finds nothing to free and arms itself
+            // for the second lease's end, which has passed too by the time it fires.
+            clock.advance(Duration::from_millis(700));
+            actix::clock::sleep(Duration::from_millis(700)).await;
+            clock.advance(Duration::from_millis(400));
+            let decision = tokio::time::timeout(Duration::from_secs(3), rx)
+                .await
+                .expect("decided at the second lease's end, not at the wait's end")
                 .unwrap();
             assert!(decision.is_admitted());
         });
