@@ -566,6 +566,11 @@ fn a_lease_frees_its_slot_at_its_ttl() {
     std::thread::sleep(Duration::from_millis(1100));
     let after = d.admit(json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 0}));
     assert_eq!(after.status, 200, "{:?}", after.body);
+    // Released after its TTL, a lease is unknown, reaped or not.
+    std::thread::sleep(Duration::from_millis(1100));
+    let late = d.release(after.body["lease_id"].as_str().unwrap());
+    assert_eq!(late.status, 404, "{:?}", late.body);
+    assert_eq!(late.body["error"], "unknown_lease");
 }
 
 #[test]

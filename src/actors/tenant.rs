@@ -331,6 +331,11 @@ impl Handler<Release> for TenantActor {
 
     fn handle(&mut self, msg: Release, _: &mut Context<Self>) -> Self::Result {
         let (now, wall) = self.now();
+        // A lease past its TTL has expired, whether or not a tick has reaped it yet: it is expired
+        // now (and counted so), and its release is answered as an unknown lease's.
+        if self.engine.lease_past_ttl(msg.lease, now) {
+            self.expire_leases(now, wall);
+        }
         let mut released = self.engine.release(msg.lease, &msg.info, now, wall)?;
         let granted = std::mem::take(&mut released.granted);
         self.deliver(granted);
@@ -777,6 +782,37 @@ mod tests {
                 .expect("decided at the second lease's end, not at the wait's end")
                 .unwrap();
             assert!(decision.is_admitted());
+        });
+    }
+
+    #[test]
+    fn a_lease_released_after_its_ttl_has_expired_whether_or_not_a_tick_came() {
+        actix::System::new().block_on(async {
+            let (clock, shared) = one_slot();
+            let lease = |reply: AdmitReply| match reply {
+                AdmitReply::Decided(d, _) => match d.verdict {
+                    Verdict::Admitted(a) => a.lease,
+                    v => panic!("expected an admission, got {v:?}"),
+                },
+                _ => panic!("decided at once"),
+            };
+            let release = |id| Release {
+                lease: id,
+                info: crate::engine::ReleaseInfo {
+                    outcome: crate::engine::Outcome::Ok,
+                    upstream_status: None,
+                    retry_after: None,
+                    duration_ms: None,
+                },
+            };
+            let a = lease(shared.admit("acme", req(), clock.mono()).await.unwrap());
+            clock.advance(Duration::from_millis(999));
+            assert!(shared.ask("acme", release(a)).await.unwrap().is_ok());
+            let b = lease(shared.admit("acme", req(), clock.mono()).await.unwrap());
+            clock.advance(Duration::from_secs(1));
+            assert!(shared.ask("acme", release(b)).await.unwrap().is_err());
+            let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
+            assert!(matches!(snapshot, Some(Some(ref s)) if s.leases == 0 && s.inflight == 0));
         });
     }
 }

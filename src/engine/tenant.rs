@@ -1908,6 +1908,11 @@ impl TenantEngine {
         self.waiters.iter().map(|w| w.deadline).min()
     }
 
+    /// Whether `lease` is held and past its TTL (expired, though not yet reaped).
+    pub fn lease_past_ttl(&self, lease: u64, now: Nanos) -> bool {
+        self.leases.get(lease).is_some_and(|l| l.expires <= now)
+    }
+
     /// When the next lease may expire (`None` when no lease is held): [`TenantEngine::expire_leases`]
     /// has nothing to do before then.
     pub fn next_lease_expiry(&self) -> Option<Nanos> {
