@@ -688,6 +688,37 @@ mod tests {
         matches!(reply, AdmitReply::Decided(d, _) if d.is_admitted())
     }
 
+    fn lease_of(reply: AdmitReply) -> u64 {
+        match reply {
+            AdmitReply::Decided(d, _) => match d.verdict {
+                Verdict::Admitted(a) => a.lease,
+                v => panic!("expected an admission, got {v:?}"),
+            },
+            _ => panic!("decided at once"),
+        }
+    }
+
+    /// Posts a call allowed to wait (fake) 5 s, which must queue for the slot.
+    async fn queue(shared: &Arc<Shared>, clock: &FakeClock) -> oneshot::Receiver<Decision> {
+        let waiting = AdmitRequest {
+            max_wait_ns: 5_000_000_000,
+            ..req()
+        };
+        match shared.admit("acme", waiting, clock.mono()).await.unwrap() {
+            AdmitReply::Queued { rx, .. } => rx,
+            _ => panic!("expected to queue"),
+        }
+    }
+
+    /// The queued call's decision, which must come within 3 (real) seconds, long before its wait
+    /// ends.
+    async fn decided_soon(rx: oneshot::Receiver<Decision>, why: &str) -> Decision {
+        tokio::time::timeout(Duration::from_secs(3), rx)
+            .await
+            .expect(why)
+            .unwrap()
+    }
+
     #[test]
     fn a_lease_frees_its_slot_at_its_ttl_without_waiting_for_the_tick() {
         actix::System::new().block_on(async {
@@ -724,22 +755,12 @@ mod tests {
         actix::System::new().block_on(async {
             let (clock, shared) = one_slot();
             shared.admit("acme", req(), clock.mono()).await.unwrap();
-            // Allowed to wait (fake) 5 s, the second call queues for the slot.
-            let waiting = AdmitRequest {
-                max_wait_ns: 5_000_000_000,
-                ..req()
-            };
-            let reply = shared.admit("acme", waiting, clock.mono()).await.unwrap();
-            let AdmitReply::Queued { rx, .. } = reply else {
-                panic!("expected to queue")
-            };
+            let rx = queue(&shared, &clock).await;
             // The lease is past its TTL on the fake clock; the actor's timer for it fires after the
             // same (real) second, well before the wait's end.
             clock.advance(Duration::from_millis(1500));
-            let decision = tokio::time::timeout(Duration::from_secs(3), rx)
-                .await
-                .expect("decided when the lease expired, not at the wait's end")
-                .unwrap();
+            let decision =
+                decided_soon(rx, "decided when the lease expired, not at the wait's end").await;
             assert!(decision.is_admitted());
         });
     }
@@ -750,37 +771,23 @@ mod tests {
             let (clock, shared) = one_slot();
             // A lease released early leaves its end behind, before the end of the lease that holds
             // the slot when the next call queues.
-            let AdmitReply::Decided(d, _) =
-                shared.admit("acme", req(), clock.mono()).await.unwrap()
-            else {
-                panic!("decided")
-            };
-            let Verdict::Admitted(a) = d.verdict else {
-                panic!("admitted")
-            };
-            shared.tell_existing("acme", CancelLease(a.lease));
+            let first = lease_of(shared.admit("acme", req(), clock.mono()).await.unwrap());
+            shared.tell_existing("acme", CancelLease(first));
             clock.advance(Duration::from_millis(500));
             assert!(admitted(
                 &shared.admit("acme", req(), clock.mono()).await.unwrap()
             ));
-            let waiting = AdmitRequest {
-                max_wait_ns: 5_000_000_000,
-                ..req()
-            };
-            let AdmitReply::Queued { rx, .. } =
-                shared.admit("acme", waiting, clock.mono()).await.unwrap()
-            else {
-                panic!("expected to queue")
-            };
+            let rx = queue(&shared, &clock).await;
             // Past the released lease's end only: the timer finds nothing to free and arms itself
             // for the second lease's end, which has passed too by the time it fires.
             clock.advance(Duration::from_millis(700));
             actix::clock::sleep(Duration::from_millis(700)).await;
             clock.advance(Duration::from_millis(400));
-            let decision = tokio::time::timeout(Duration::from_secs(3), rx)
-                .await
-                .expect("decided at the second lease's end, not at the wait's end")
-                .unwrap();
+            let decision = decided_soon(
+                rx,
+                "decided at the second lease's end, not at the wait's end",
+            )
+            .await;
             assert!(decision.is_admitted());
         });
     }
@@ -789,13 +796,6 @@ mod tests {
     fn a_lease_released_after_its_ttl_has_expired_whether_or_not_a_tick_came() {
         actix::System::new().block_on(async {
             let (clock, shared) = one_slot();
-            let lease = |reply: AdmitReply| match reply {
-                AdmitReply::Decided(d, _) => match d.verdict {
-                    Verdict::Admitted(a) => a.lease,
-                    v => panic!("expected an admission, got {v:?}"),
-                },
-                _ => panic!("decided at once"),
-            };
             let release = |id| Release {
                 lease: id,
                 info: crate::engine::ReleaseInfo {
@@ -805,10 +805,10 @@ mod tests {
                     duration_ms: None,
                 },
             };
-            let a = lease(shared.admit("acme", req(), clock.mono()).await.unwrap());
+            let a = lease_of(shared.admit("acme", req(), clock.mono()).await.unwrap());
             clock.advance(Duration::from_millis(999));
             assert!(shared.ask("acme", release(a)).await.unwrap().is_ok());
-            let b = lease(shared.admit("acme", req(), clock.mono()).await.unwrap());
+            let b = lease_of(shared.admit("acme", req(), clock.mono()).await.unwrap());
             clock.advance(Duration::from_secs(1));
             assert!(shared.ask("acme", release(b)).await.unwrap().is_err());
             let snapshot = shared.ask_existing("acme", Snapshot).await.unwrap();
