@@ -7,8 +7,10 @@
 //! whose receiver is gone by then gets everything it took handed back at once.
 //!
 //! Once a second its arbiter's ticker sends it [`Tick`]: it expires leases, prunes resting state and
-//! reports its gauges together with the calls it answered since the last report (what the shed-ratio
-//! alerts count). The actor stops itself once its state is back at rest and it has been idle for
+//! reports its gauges and expired leases together with the calls it answered since the last report
+//! (what the shed-ratio alerts count). Leases also expire at their TTL in between: a call that needs
+//! a slot, a release or a snapshot expires the ones that are due, and while calls wait for a slot a
+//! timer at the next lease's end does. The actor stops itself once its state is back at rest and it has been idle for
 //! `idle_ttl`, removing itself from the registry first, so memory follows the set of tenants that are
 //! actually active.
 
