@@ -125,7 +125,6 @@ pub async fn admit(
     Ok(response)
 }
 
-/// Whether an admitted call must sleep out its hold before it is answered.
 /// Checks the admission's fields other than its names and completes `req` with them: the call id
 /// (an empty one is none) and whether the daemon is in shadow mode.
 fn the_rest(
@@ -178,6 +177,7 @@ async fn refused_before_deciding(
     response
 }
 
+/// Whether an admitted call must sleep out its hold before it is answered.
 fn must_hold(d: &Decision, shadow: bool) -> bool {
     matches!(&d.verdict, Verdict::Admitted(a) if a.hold_ns > 0 && !shadow)
 }
