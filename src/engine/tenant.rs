@@ -17,8 +17,7 @@
 //! adaptive throttle; successes recover it. A tool may spend several upstreams at once (amplification),
 //! charged all or nothing.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 
 /// The engine's maps are keyed by caller-supplied names and lease numbers and looked up several times
 /// per decision: a fast seeded hasher (foldhash) instead of SipHash. The seed is random per map, so
@@ -33,7 +32,7 @@ use smallvec::SmallVec;
 
 use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
 use super::bucket::{stagger, stagger_atomic, AtomicBucket, Bucket, Gcra, Take, PROMISE_HORIZON};
-use super::leases::Leases;
+use super::leases::{Expiries, Leases};
 use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
 use super::shared::{SharedBudgets, SharedUpstream};
@@ -513,9 +512,9 @@ pub struct TenantEngine {
     inflight: u32,
     quota: QuotaCounter,
     leases: Leases<Lease>,
-    expiries: BinaryHeap<Reverse<(Nanos, u64)>>,
+    expiries: Expiries,
     /// No lease expires before this (the earliest entry of `expiries`, or later once it is stale), so
-    /// an admission learns whether leases are due without reading the heap.
+    /// an admission learns whether leases are due without reading `expiries`.
     next_expiry: Nanos,
     /// Leases expired outside [`TenantEngine::expire_leases`] (by an admission that needed their
     /// slot) and not yet taken with [`TenantEngine::take_expired`].
@@ -550,7 +549,7 @@ impl TenantEngine {
             inflight: 0,
             quota: QuotaCounter::default(),
             leases: Leases::new(rng.next_u64()),
-            expiries: BinaryHeap::new(),
+            expiries: Expiries::default(),
             next_expiry: Nanos::MAX,
             expired: Vec::new(),
             waiters: VecDeque::new(),
@@ -1509,7 +1508,10 @@ impl TenantEngine {
             })
         });
         let lease = self.leases.insert(Lease::new(&r, true, held, now, expires));
-        self.expiries.push(Reverse((expires, lease)));
+        match hold {
+            0 => self.expiries.push(expires, lease),
+            _ => self.expiries.push_late(expires, lease),
+        }
         self.next_expiry = self.next_expiry.min(expires);
         Decision {
             verdict: Verdict::Admitted(Admitted {
@@ -1556,7 +1558,7 @@ impl TenantEngine {
                 let lease = self
                     .leases
                     .insert(Lease::new(&r, false, None, now, expires));
-                self.expiries.push(Reverse((expires, lease)));
+                self.expiries.push(expires, lease);
                 self.next_expiry = self.next_expiry.min(expires);
                 Verdict::Admitted(Admitted {
                     lease,
@@ -1939,7 +1941,7 @@ impl TenantEngine {
         expired: &mut Vec<ExpiredLease>,
     ) -> Vec<(u64, Decision)> {
         let before = expired.len();
-        while let Some(Reverse((at, id))) = self.expiries.peek().copied() {
+        while let Some((at, id)) = self.expiries.peek() {
             if at > now {
                 break;
             }
@@ -1955,13 +1957,10 @@ impl TenantEngine {
         }
         // Leases released early leave stale heap entries behind; rebuild when they dominate.
         if self.expiries.len() > 64 && self.expiries.len() > 4 * self.leases.len() {
-            self.expiries = self
-                .leases
-                .iter()
-                .map(|(id, l)| Reverse((l.expires, id)))
-                .collect();
+            self.expiries
+                .rebuild(self.leases.iter().map(|(id, l)| (l.expires, id)));
         }
-        self.next_expiry = self.expiries.peek().map_or(Nanos::MAX, |r| r.0 .0);
+        self.next_expiry = self.expiries.peek().map_or(Nanos::MAX, |(at, _)| at);
         if expired.len() == before {
             Vec::new()
         } else {

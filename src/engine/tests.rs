@@ -1009,6 +1009,48 @@ fn a_held_lease_expires_a_ttl_after_its_hold_ends() {
     assert_eq!(e.inflight(), 0);
 }
 
+#[test]
+fn leases_expire_at_their_own_ends_whatever_order_those_come_in() {
+    // A held call's lease ends after those admitted after it; a reload that shortens the TTL makes
+    // new leases end before older ones. Each must expire at its own end, no earlier and no later.
+    let base = "[limits.subject]\nrate = \"10/s\"\nburst = 1\n";
+    let rig = Rig::new(&format!("[server]\nlease_ttl = \"10s\"\n{base}"));
+    let mut e = rig.engine("acme");
+    let t0 = rig.now();
+    admitted_now(&rig.decide(&mut e, &call("held", "search")));
+    let held = admitted(&rig.decide(&mut e, &call("held", "search").wait_ms(500))).hold_ns;
+    assert_eq!(held, 100 * MS);
+    let mut ends = vec![(t0 + 10 * SEC, "held"), (t0 + 10 * SEC + held, "held")];
+    for (i, s) in ["a", "b"].into_iter().enumerate() {
+        rig.advance_to(t0 + (i as u64 + 1) * 10 * MS);
+        admitted_now(&rig.decide(&mut e, &call(s, "search")));
+        ends.push((rig.now() + 10 * SEC, s));
+    }
+    e.set_config(
+        Arc::new(cfg(&format!("[server]\nlease_ttl = \"2s\"\n{base}"))),
+        rig.now(),
+    );
+    for (i, s) in ["c", "d"].into_iter().enumerate() {
+        rig.advance_to(t0 + (i as u64 + 3) * 10 * MS);
+        admitted_now(&rig.decide(&mut e, &call(s, "search")));
+        ends.push((rig.now() + 2 * SEC, s));
+    }
+    ends.sort();
+    assert_eq!(e.next_lease_expiry(), Some(ends[0].0));
+    for (at, subject) in ends {
+        assert_eq!(
+            e.expire_leases(at - 1, rig.wall()).0,
+            vec![],
+            "{subject} early"
+        );
+        let (expired, _) = e.expire_leases(at, rig.wall());
+        assert_eq!(expired.len(), 1, "{subject} at its end");
+        assert_eq!(&*expired[0].0, subject);
+    }
+    assert_eq!(e.lease_count(), 0);
+    assert_eq!(e.next_lease_expiry(), None);
+}
+
 // ---- 6. penalties -----------------------------------------------------------------------------------
 
 const PENALTY_CFG: &str = r#"
