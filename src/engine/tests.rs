@@ -1974,6 +1974,38 @@ fn a_subjects_calls_share_its_name_and_an_upstream_sent_with_the_call_is_shared_
 }
 
 #[test]
+fn an_expired_lease_reports_the_label_its_call_was_admitted_under() {
+    use crate::telemetry::labels::SubjectLabels;
+    let rig = Rig::new("[server]\nlease_ttl = \"10s\"\n");
+    let labels = Arc::new(SubjectLabels::new(2, 1_000));
+    let mut e = rig.engine("acme");
+    e.set_subject_labels(Some(labels.clone()));
+    let t0 = rig.now();
+    // Named, folded past the cap, and one whose own name is the folded label's text.
+    for s in ["named", "__other__", "folded"] {
+        admitted_now(&rig.decide(&mut e, &call(s, "search")));
+    }
+    let (expired, _) = e.expire_leases(t0 + 10 * SEC, rig.wall());
+    let got: Vec<(&str, &str)> = expired.iter().map(|(l, t, _)| (&**l, &**t)).collect();
+    assert_eq!(
+        got,
+        vec![
+            ("named", "search"),
+            ("__other__", "search"),
+            ("__other__", "search")
+        ]
+    );
+    assert!(
+        labels.is_other(&expired[2].0),
+        "the folded one is the shared label"
+    );
+    assert!(
+        !labels.is_other(&expired[1].0),
+        "a subject named like it keeps its own name"
+    );
+}
+
+#[test]
 fn subjects_are_labelled_in_the_order_they_call_and_a_raised_cap_names_folded_ones() {
     use crate::telemetry::labels::SubjectLabels;
     let rig = Rig::new("");

@@ -140,6 +140,11 @@ impl SubjectLabels {
         self.generation.load(Ordering::Relaxed)
     }
 
+    /// The folded label, `__other__`.
+    pub fn other(&self) -> &Arc<str> {
+        &self.other
+    }
+
     /// Whether `label` is the folded one (`__other__`).
     pub fn is_other(&self, label: &Arc<str>) -> bool {
         Arc::ptr_eq(label, &self.other)
