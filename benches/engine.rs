@@ -2,9 +2,10 @@
 //!
 //! Each benchmark drives a [`TenantEngine`] with a fake monotonic clock that moves 1 µs per call, so
 //! buckets refill as they would under a steady load of one million calls per second on one tenant. The
-//! limits are set so that only the layer a benchmark is about can refuse. The last one,
-//! `admit_across_1000_tenants`, spreads its calls over 1 000 tenants instead, to time a decision
-//! whose state is out of cache, as it is in the daemon under the HTTP benchmark's load.
+//! limits are set so that only the layer a benchmark is about can refuse. The last two,
+//! `admit_across_1000_tenants` and `admit_release_across_1000_tenants`, spread their calls over
+//! 1 000 tenants instead, to time decisions whose state is out of cache, as it is in the daemon
+//! under the HTTP benchmark's load.
 //!
 //! Admissions hold leases until they are released. Where a benchmark times admissions alone, it admits
 //! a batch, stops the clock, and releases the batch (and runs the periodic lease expiry the tenant actor
@@ -286,60 +287,92 @@ fn expire_leases_at_ttl(c: &mut Criterion) {
     g.finish();
 }
 
-/// Tenants in [`admit_across_1000_tenants`], and calls per second across them all.
+/// Tenants in [`Fleet`], and calls per second across them all.
 const TENANTS: usize = 1_000;
 const CALLS_PER_SEC: u64 = 50_000;
+/// The tenant actor prunes resting state every fifth tick (`PRUNE_EVERY_TICKS`).
+const PRUNE_EVERY_TICKS: u64 = 5;
 
 /// The HTTP benchmark's working set without HTTP: 1 000 tenants, each with 100 subjects over eight
-/// tools, called in random order at 50 000 calls/s of simulated time, every lease held to its 10 s
-/// TTL, and every tenant's periodic expiry run once a simulated second (one tenant every 50 calls,
-/// as the arbiter's ticker spreads them). About 500 leases are live per tenant and the state far
-/// exceeds the caches, so this times what the hot benchmarks above cannot: the cache misses of a
-/// decision and of expiring its lease later. Per element: one admission and, on average, one expiry.
-fn admit_across_1000_tenants(c: &mut Criterion) {
-    // The HTTP benchmark's lease TTL (benches/throughput.toml).
-    let toml = config(&["[server]\nlease_ttl = \"10s\"\n", ROOMY_SUBJECT]);
-    let cfg = match Config::parse("bench", &toml) {
-        Ok(c) => Arc::new(c),
-        Err(e) => panic!("bench config does not parse: {e}"),
-    };
-    let shared = Arc::new(SharedBudgets::new(&cfg));
-    let mut engines: Vec<TenantEngine> = (0..TENANTS)
-        .map(|t| {
-            let name = Arc::from(format!("t{t}").as_str());
-            TenantEngine::new(name, cfg.clone(), shared.clone(), t as u64)
-        })
-        .collect();
-    let reqs = subjects_and_tools(100);
-    let step = 1_000_000_000 / CALLS_PER_SEC;
-    let tick_every = CALLS_PER_SEC / TENANTS as u64;
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut now = 0u64;
-    let mut calls = 0u64;
-    let mut run = |engines: &mut [TenantEngine], n: u64| {
+/// tools, called in random order at 50 000 calls/s of simulated time, with a 10 s lease TTL. Each
+/// tenant's periodic work runs once a simulated second (one tenant every 50 calls, as the arbiter's
+/// ticker spreads them): its lease expiry, and every fifth time its pruning of resting state. The
+/// state far exceeds the caches, so this times what the hot benchmarks above cannot: the cache
+/// misses of a decision and of what follows it.
+struct Fleet {
+    engines: Vec<TenantEngine>,
+    reqs: Vec<AdmitRequest>,
+    /// Release each call at once (admit + release), or hold its lease to its TTL.
+    release: bool,
+    rng: u64,
+    now: u64,
+    calls: u64,
+}
+
+impl Fleet {
+    fn new(release: bool) -> Fleet {
+        // The HTTP benchmark's lease TTL (benches/throughput.toml).
+        let toml = config(&["[server]\nlease_ttl = \"10s\"\n", ROOMY_SUBJECT]);
+        let cfg = match Config::parse("bench", &toml) {
+            Ok(c) => Arc::new(c),
+            Err(e) => panic!("bench config does not parse: {e}"),
+        };
+        let shared = Arc::new(SharedBudgets::new(&cfg));
+        let engines = (0..TENANTS)
+            .map(|t| {
+                let name = Arc::from(format!("t{t}").as_str());
+                TenantEngine::new(name, cfg.clone(), shared.clone(), t as u64)
+            })
+            .collect();
+        let mut fleet = Fleet {
+            engines,
+            reqs: subjects_and_tools(100),
+            release,
+            rng: 0x9E37_79B9_7F4A_7C15,
+            now: 0,
+            calls: 0,
+        };
+        // Past one TTL and two prunes, so that leases expire as fast as they are taken and resting
+        // state comes and goes as it does in a long run.
+        fleet.run(CALLS_PER_SEC * 12);
+        fleet
+    }
+
+    fn run(&mut self, n: u64) {
+        let step = 1_000_000_000 / CALLS_PER_SEC;
+        let tick_every = CALLS_PER_SEC / TENANTS as u64;
+        let info = release_ok();
         for _ in 0..n {
             // xorshift64*: a different tenant and call each time, no pattern the caches could learn.
-            rng ^= rng >> 12;
-            rng ^= rng << 25;
-            rng ^= rng >> 27;
-            let r = rng.wrapping_mul(0x2545_F491_4F6C_DD1D);
-            now += step;
-            let e = &mut engines[(r >> 32) as usize % TENANTS];
-            black_box(lease_of(e.admit(
-                &reqs[(r as u32 as usize) % reqs.len()],
-                now,
-                WALL_MS,
-            )));
-            calls += 1;
-            if calls % tick_every == 0 {
-                let t = (calls / tick_every) as usize % TENANTS;
-                black_box(engines[t].expire_leases(now, WALL_MS));
+            self.rng ^= self.rng >> 12;
+            self.rng ^= self.rng << 25;
+            self.rng ^= self.rng >> 27;
+            let r = self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D);
+            self.now += step;
+            let e = &mut self.engines[(r >> 32) as usize % TENANTS];
+            let call = &self.reqs[(r as u32 as usize) % self.reqs.len()];
+            let lease = lease_of(e.admit(call, self.now, WALL_MS));
+            if self.release {
+                black_box(e.release(lease, &info, self.now, WALL_MS).is_ok());
+            }
+            self.calls += 1;
+            if self.calls % tick_every == 0 {
+                let tick = self.calls / tick_every;
+                let e = &mut self.engines[tick as usize % TENANTS];
+                black_box(e.expire_leases(self.now, WALL_MS));
+                if (tick / TENANTS as u64) % PRUNE_EVERY_TICKS == 0 {
+                    e.prune(self.now, WALL_MS);
+                }
             }
         }
-    };
-    // Past one TTL, so that leases expire as fast as they are taken.
-    run(&mut engines, CALLS_PER_SEC * 12);
-    let live: usize = engines.iter().map(|e| e.lease_count()).sum();
+    }
+}
+
+/// [`Fleet`] with every lease held to its TTL, as when calls are not released: about 500 leases live
+/// per tenant. Per element: one admission and, on average, one expiry.
+fn admit_across_1000_tenants(c: &mut Criterion) {
+    let mut fleet = Fleet::new(false);
+    let live: usize = fleet.engines.iter().map(|e| e.lease_count()).sum();
     assert!(
         (400 * TENANTS..=600 * TENANTS).contains(&live),
         "about 500 leases per tenant, found {live} in all"
@@ -349,7 +382,25 @@ fn admit_across_1000_tenants(c: &mut Criterion) {
     g.bench_function("admit_across_1000_tenants", |b| {
         b.iter_custom(|iters| {
             let start = Instant::now();
-            run(&mut engines, iters);
+            fleet.run(iters);
+            start.elapsed()
+        })
+    });
+    g.finish();
+}
+
+/// [`Fleet`] with every call released at once: each subject is called every two seconds on average
+/// and is at rest between calls. Per element: one admission and its release.
+fn admit_release_across_1000_tenants(c: &mut Criterion) {
+    let mut fleet = Fleet::new(true);
+    let live: usize = fleet.engines.iter().map(|e| e.lease_count()).sum();
+    assert_eq!(live, 0, "every lease released");
+    let mut g = c.benchmark_group("engine");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("admit_release_across_1000_tenants", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            fleet.run(iters);
             start.elapsed()
         })
     });
@@ -363,6 +414,7 @@ criterion_group!(
     shed_empty_bucket,
     admit_tool_and_upstream,
     expire_leases_at_ttl,
-    admit_across_1000_tenants
+    admit_across_1000_tenants,
+    admit_release_across_1000_tenants
 );
 criterion_main!(benches);

@@ -244,9 +244,23 @@ struct SubjectState {
     /// Per-tool buckets (only tools that configure a rate); few per subject, so a vector beats a map.
     tools: Vec<(Arc<str>, Bucket)>,
     inflight: u32,
+    /// Kept until then (whole seconds of the monotonic clock) even once at rest: set to
+    /// [`KEEP_SUBJECT_SECS`] after the subject's last call gave back its slot.
+    keep_until_s: u32,
     quota: QuotaCounter,
     /// The last retry slot handed to a call refused for want of this subject's concurrency slots.
     slot_stagger: Nanos,
+}
+
+/// How long a subject's state outlives its last call once it is at rest. Without it, a subject that
+/// calls every few seconds (an agent's loop, or any steady caller among many) had its state dropped
+/// at every prune and built again at its next call: a new name copy, a label decided under the
+/// labels' shared lock, a map insertion and later a removal, for state that was needed again
+/// moments later. Memory still follows the subjects active in the last few seconds.
+const KEEP_SUBJECT_SECS: u32 = 10;
+
+fn whole_secs(t: Nanos) -> u32 {
+    u32::try_from(t / 1_000_000_000).unwrap_or(u32::MAX)
 }
 
 impl SubjectState {
@@ -258,6 +272,7 @@ impl SubjectState {
             bucket: Bucket::default(),
             tools: Vec::new(),
             inflight: 0,
+            keep_until_s: 0,
             quota: QuotaCounter::default(),
             slot_stagger: 0,
         }
@@ -1377,9 +1392,10 @@ impl TenantEngine {
         self.inflight += 1;
     }
 
-    fn free_slots(&mut self, subject: &Arc<str>) {
+    fn free_slots(&mut self, subject: &Arc<str>, now: Nanos) {
         if let Some(s) = self.subjects.get_mut(&**subject) {
             s.inflight = s.inflight.saturating_sub(1);
+            s.keep_until_s = whole_secs(now).saturating_add(KEEP_SUBJECT_SECS);
         }
         self.inflight = self.inflight.saturating_sub(1);
     }
@@ -1449,7 +1465,7 @@ impl TenantEngine {
         });
         let over_tenant = tenant_quota.is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
         if over_subject || over_tenant {
-            self.free_slots(&r.subject);
+            self.free_slots(&r.subject, now);
             let wait = ms_until_utc_midnight(wall_ms) * NS_PER_MS;
             let upstream = r.upstream.clone();
             let shed = self.shed_by(
@@ -1488,7 +1504,7 @@ impl TenantEngine {
                 (Take::Short { .. }, _, _) => {
                     // Give back everything, then promise this caller a slot behind earlier refusals.
                     self.undo_charge(&r, plan, &charge);
-                    self.free_slots(&r.subject);
+                    self.free_slots(&r.subject, now);
                     let mut wait = self.promise_layer(lp, &r, now);
                     for later in &plan[i + 1..] {
                         wait = wait.max(self.peek_layer(later, &r, now).2);
@@ -1602,7 +1618,7 @@ impl TenantEngine {
         self.last_active = now;
         let l = self.leases.remove(lease).ok_or(UnknownLease)?;
         if l.slots {
-            self.free_slots(&l.subject);
+            self.free_slots(&l.subject, now);
             let held = now.saturating_sub(l.created) as f64;
             self.hold_avg_ns = Some(match self.hold_avg_ns {
                 Some(avg) => avg * 0.8 + held * 0.2,
@@ -1652,7 +1668,7 @@ impl TenantEngine {
             self.undo_charge(&r, &plan, charge);
         }
         if l.slots {
-            self.free_slots(&l.subject);
+            self.free_slots(&l.subject, now);
         }
         Ok(self.grant_waiting(now, wall_ms))
     }
@@ -1961,7 +1977,7 @@ impl TenantEngine {
             if self.leases.get(id).is_some_and(|l| l.expires == at) {
                 if let Some(l) = self.leases.remove(id) {
                     if l.slots {
-                        self.free_slots(&l.subject);
+                        self.free_slots(&l.subject, now);
                         let label = l.subject_label(self.labels.as_deref());
                         expired.push((label, l.tool, primary_upstream(&l.upstreams)));
                     }
@@ -1988,7 +2004,9 @@ impl TenantEngine {
     /// Drops per-subject and per-upstream state that is back at its resting value.
     pub fn prune(&mut self, now: Nanos, wall_ms: i64) {
         let day = utc_day(wall_ms);
-        self.subjects.retain(|_, s| !s.is_resting(now, day));
+        let now_s = whole_secs(now);
+        self.subjects
+            .retain(|_, s| now_s < s.keep_until_s || !s.is_resting(now, day));
         let windows: HashMap<Arc<str>, u64> = self
             .upstreams
             .keys()

@@ -1732,7 +1732,7 @@ fn a_plain_bucket_hint_lets_few_retries_in() {
 // ---- 12. prune and rest -----------------------------------------------------------------------------
 
 #[test]
-fn prune_drops_subjects_once_their_buckets_are_full_again() {
+fn prune_drops_subjects_at_rest_once_their_last_call_is_ten_seconds_old() {
     let rig = Rig::new("");
     let mut e = rig.engine("acme");
     let t0 = rig.now();
@@ -1748,12 +1748,38 @@ fn prune_drops_subjects_once_their_buckets_are_full_again() {
     );
     assert!(!e.is_at_rest(rig.now(), rig.wall()));
     rig.advance_to(t0 + 500 * MS);
+    // At rest, so nothing would be lost by dropping the engine, but a subject that called moments ago
+    // is likely to call again: its state is kept for ten seconds after its last call.
     assert!(e.is_at_rest(rig.now(), rig.wall()));
+    e.prune(rig.now(), rig.wall());
+    assert_eq!(e.subject_count(), 1);
+    rig.advance_to(t0 + 10 * SEC - 1);
+    e.prune(rig.now(), rig.wall());
+    assert_eq!(e.subject_count(), 1);
+    rig.advance_to(t0 + 10 * SEC);
     e.prune(rig.now(), rig.wall());
     assert_eq!(e.subject_count(), 0);
     assert!(rig.snap(&e).subjects.is_empty());
     assert!(e.is_at_rest(rig.now(), rig.wall()));
     assert!(!e.has_state(rig.now(), rig.wall()));
+}
+
+#[test]
+fn a_steady_caller_keeps_its_state_across_prunes_and_a_one_off_caller_does_not() {
+    let rig = Rig::new("[server]\nlease_ttl = \"2s\"\n");
+    let mut e = rig.engine("acme");
+    let has = |e: &TenantEngine, s: &str| rig.snap(e).subjects.iter().any(|x| x.subject == s);
+    // The one-off caller's lease is never released: it ends at its TTL.
+    rig.lease(&mut e, &call("once", "search"));
+    for _ in 0..10 {
+        let l = rig.lease(&mut e, &call("steady", "search"));
+        rig.release_ok(&mut e, l);
+        rig.advance_ms(4_000);
+        e.expire_leases(rig.now(), rig.wall());
+        e.prune(rig.now(), rig.wall());
+        assert!(has(&e, "steady"));
+    }
+    assert!(!has(&e, "once"), "expired at 2 s, dropped 10 s later");
 }
 
 #[test]
@@ -1768,6 +1794,7 @@ fn an_outstanding_lease_keeps_the_engine_busy() {
     assert_eq!(rig.snap(&e).subjects[0].inflight, 1);
     rig.release_ok(&mut e, l);
     assert!(e.is_at_rest(rig.now(), rig.wall()));
+    rig.advance_ms(10_000);
     e.prune(rig.now(), rig.wall());
     assert_eq!(e.subject_count(), 0);
 }
@@ -1775,22 +1802,23 @@ fn an_outstanding_lease_keeps_the_engine_busy() {
 #[test]
 fn promises_and_penalties_keep_state_until_they_pass() {
     let rig = Rig::new(&format!(
-        "[limits.subject]\nrate = \"1/s\"\nburst = 1\n{PENALTY_CFG}"
+        "[limits.subject]\nrate = \"1/min\"\nburst = 1\n{PENALTY_CFG}"
     ));
     let mut e = rig.engine("acme");
     let t0 = rig.now();
     let l = rig.lease(&mut e, &call("a", "search"));
     rig.release_ok(&mut e, l);
-    // refused: promised the token at t0 + 1 s, so its bucket owes a slot until t0 + 2 s
+    // refused: promised the token at t0 + 60 s, so its bucket owes a slot until t0 + 120 s (long
+    // after the ten seconds a subject's state is kept past its last call)
     assert_shed(
         &rig.decide(&mut e, &call("a", "search")),
         Scope::Subject,
-        SEC,
+        60 * SEC,
     );
-    rig.advance_to(t0 + SEC);
+    rig.advance_to(t0 + 60 * SEC);
     e.prune(rig.now(), rig.wall());
     assert_eq!(e.subject_count(), 1);
-    rig.advance_to(t0 + 2 * SEC);
+    rig.advance_to(t0 + 120 * SEC);
     e.prune(rig.now(), rig.wall());
     assert_eq!(e.subject_count(), 0);
     assert!(e.is_at_rest(rig.now(), rig.wall()));
@@ -1824,6 +1852,13 @@ fn ten_thousand_one_off_subjects_are_all_pruned() {
     e.prune(rig.now(), rig.wall());
     assert_eq!(e.subject_count(), 10_000, "buckets not refilled yet");
     rig.advance_ms(500);
+    e.prune(rig.now(), rig.wall());
+    assert_eq!(
+        e.subject_count(),
+        10_000,
+        "kept ten seconds past their calls"
+    );
+    rig.advance_ms(9_500);
     e.prune(rig.now(), rig.wall());
     assert_eq!(e.subject_count(), 0);
     assert_eq!(e.lease_count(), 0);
