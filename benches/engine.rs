@@ -368,43 +368,44 @@ impl Fleet {
     }
 }
 
+impl Fleet {
+    fn live_leases(&self) -> usize {
+        self.engines.iter().map(|e| e.lease_count()).sum()
+    }
+
+    /// Times `name`: one element is one call of [`Fleet::run`].
+    fn bench(mut self, c: &mut Criterion, name: &str) {
+        let mut g = c.benchmark_group("engine");
+        g.throughput(Throughput::Elements(1));
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                self.run(iters);
+                start.elapsed()
+            })
+        });
+        g.finish();
+    }
+}
+
 /// [`Fleet`] with every lease held to its TTL, as when calls are not released: about 500 leases live
 /// per tenant. Per element: one admission and, on average, one expiry.
 fn admit_across_1000_tenants(c: &mut Criterion) {
-    let mut fleet = Fleet::new(false);
-    let live: usize = fleet.engines.iter().map(|e| e.lease_count()).sum();
+    let fleet = Fleet::new(false);
+    let live = fleet.live_leases();
     assert!(
         (400 * TENANTS..=600 * TENANTS).contains(&live),
         "about 500 leases per tenant, found {live} in all"
     );
-    let mut g = c.benchmark_group("engine");
-    g.throughput(Throughput::Elements(1));
-    g.bench_function("admit_across_1000_tenants", |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            fleet.run(iters);
-            start.elapsed()
-        })
-    });
-    g.finish();
+    fleet.bench(c, "admit_across_1000_tenants");
 }
 
 /// [`Fleet`] with every call released at once: each subject is called every two seconds on average
 /// and is at rest between calls. Per element: one admission and its release.
 fn admit_release_across_1000_tenants(c: &mut Criterion) {
-    let mut fleet = Fleet::new(true);
-    let live: usize = fleet.engines.iter().map(|e| e.lease_count()).sum();
-    assert_eq!(live, 0, "every lease released");
-    let mut g = c.benchmark_group("engine");
-    g.throughput(Throughput::Elements(1));
-    g.bench_function("admit_release_across_1000_tenants", |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            fleet.run(iters);
-            start.elapsed()
-        })
-    });
-    g.finish();
+    let fleet = Fleet::new(true);
+    assert_eq!(fleet.live_leases(), 0, "every lease released");
+    fleet.bench(c, "admit_release_across_1000_tenants");
 }
 
 criterion_group!(
