@@ -353,7 +353,8 @@ impl Fleet {
             let call = &self.reqs[(r as u32 as usize) % self.reqs.len()];
             let lease = lease_of(e.admit(call, self.now, WALL_MS));
             if self.release {
-                black_box(e.release(lease, &info, self.now, WALL_MS).is_ok());
+                let released = e.release(lease, &info, self.now, WALL_MS);
+                assert!(black_box(released).is_ok(), "a live lease is released");
             }
             self.calls += 1;
             if self.calls % tick_every == 0 {
@@ -366,9 +367,7 @@ impl Fleet {
             }
         }
     }
-}
 
-impl Fleet {
     fn live_leases(&self) -> usize {
         self.engines.iter().map(|e| e.lease_count()).sum()
     }

@@ -2016,7 +2016,8 @@ fn an_expired_lease_reports_the_label_its_call_was_admitted_under() {
     let mut e = rig.engine("acme");
     e.set_subject_labels(Some(labels.clone()));
     let t0 = rig.now();
-    // Named, folded past the cap, and one whose own name is the folded label's text.
+    // Named, one whose own name is the folded label's text (named too: the cap is two), and one
+    // folded past the cap.
     for s in ["named", "__other__", "folded"] {
         admitted_now(&rig.decide(&mut e, &call(s, "search")));
     }
