@@ -39,7 +39,6 @@ use super::shared::{SharedBudgets, SharedUpstream};
 use super::types::*;
 use crate::clock::{ceil_ms, ms_until_utc_midnight, utc_day, Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::{BucketSpec, Config, Mode, TenantLimits, UpstreamConfig};
-use crate::prefetch::prefetch_all;
 use crate::telemetry::labels::SubjectLabels;
 
 /// How long a tenant counts its calls to a shared upstream before reporting its demand. A second is
@@ -232,24 +231,36 @@ impl QuotaCounter {
     }
 }
 
-#[derive(Debug)]
-struct SubjectState {
-    /// The subject's name, shared with its calls (see [`TenantEngine::subject_names`]).
-    name: Arc<str>,
-    /// Its metric label: the name, or `__other__` past the label caps, and the caps' generation
-    /// it was decided under.
-    label: Arc<str>,
-    label_gen: u64,
-    bucket: Bucket,
+/// What a subject's state keeps besides its bucket and slot count, needed only with per-tool
+/// buckets, a daily quota or concurrency refusals: boxed, so the state every call reads fits in one
+/// cache line.
+#[derive(Debug, Default)]
+struct SubjectExtra {
     /// Per-tool buckets (only tools that configure a rate); few per subject, so a vector beats a map.
     tools: Vec<(Arc<str>, Bucket)>,
+    quota: QuotaCounter,
+    /// The last retry slot handed to a call refused for want of this subject's concurrency slots.
+    slot_stagger: Nanos,
+}
+
+/// One subject's state: one cache line (see the `subject_size` test), found by its name.
+#[derive(Debug)]
+#[repr(align(64))]
+struct SubjectState {
+    /// The subject's name, shared with its calls (see [`TenantEngine::subject_names`]); also the
+    /// key it is found by.
+    name: Arc<str>,
+    bucket: Bucket,
     inflight: u32,
     /// Kept until then (whole seconds of the monotonic clock) even once at rest: set to
     /// [`KEEP_SUBJECT_SECS`] after the subject's last call gave back its slot.
     keep_until_s: u32,
-    quota: QuotaCounter,
-    /// The last retry slot handed to a call refused for want of this subject's concurrency slots.
-    slot_stagger: Nanos,
+    /// The label caps' generation its metric label was decided under.
+    label_gen: u64,
+    /// Its metric label is `__other__` (past the label caps), not its name. A label is one of the
+    /// two, so a flag stands for it, as in a lease.
+    label_folded: bool,
+    extra: Option<Box<SubjectExtra>>,
 }
 
 /// How long a subject's state outlives its last call once it is at rest. Without it, a subject that
@@ -264,36 +275,117 @@ fn whole_secs(t: Nanos) -> u32 {
 }
 
 impl SubjectState {
-    fn new(name: Arc<str>, label: Arc<str>, label_gen: u64) -> Self {
+    fn new(name: Arc<str>, label_folded: bool, label_gen: u64) -> Self {
         SubjectState {
             name,
-            label,
-            label_gen,
             bucket: Bucket::default(),
-            tools: Vec::new(),
             inflight: 0,
             keep_until_s: 0,
-            quota: QuotaCounter::default(),
-            slot_stagger: 0,
+            label_gen,
+            label_folded,
+            extra: None,
         }
     }
 
+    /// Its metric label; `labels` are the engine's.
+    fn label(&self, labels: Option<&SubjectLabels>) -> Arc<str> {
+        match (self.label_folded, labels) {
+            (true, Some(l)) => l.other().clone(),
+            _ => self.name.clone(),
+        }
+    }
+
+    fn extra_mut(&mut self) -> &mut SubjectExtra {
+        self.extra.get_or_insert_with(Box::default)
+    }
+
+    fn tools(&self) -> &[(Arc<str>, Bucket)] {
+        self.extra.as_ref().map_or(&[], |e| &e.tools)
+    }
+
+    fn quota_used_on(&self, day: i64) -> f64 {
+        self.extra.as_ref().map_or(0.0, |e| e.quota.used_on(day))
+    }
+
     fn tool_bucket(&mut self, tool: &Arc<str>) -> &mut Bucket {
-        let i = match self.tools.iter().position(|(t, _)| t == tool) {
+        let tools = &mut self.extra_mut().tools;
+        let i = match tools.iter().position(|(t, _)| t == tool) {
             Some(i) => i,
             None => {
-                self.tools.push((tool.clone(), Bucket::default()));
-                self.tools.len() - 1
+                tools.push((tool.clone(), Bucket::default()));
+                tools.len() - 1
             }
         };
-        &mut self.tools[i].1
+        &mut tools[i].1
     }
 
     fn is_resting(&self, now: Nanos, day: i64) -> bool {
         self.inflight == 0
             && self.bucket.is_resting(now)
-            && self.tools.iter().all(|(_, b)| b.is_resting(now))
-            && self.quota.is_resting(day)
+            && self.extra.as_ref().is_none_or(|e| {
+                e.tools.iter().all(|(_, b)| b.is_resting(now)) && e.quota.is_resting(day)
+            })
+    }
+}
+
+/// A tenant's subjects' states, found by name. A state holds its name, so finding a subject reads
+/// the table's control bytes, the state's one line and the name's allocation, which the call shares
+/// anyway. (Keyed by a copy of the name stored beside the state, as before, an entry took 144 bytes
+/// over three lines.)
+#[derive(Default)]
+struct Subjects {
+    table: hashbrown::HashTable<SubjectState>,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl Subjects {
+    fn hash(&self, name: &str) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(name)
+    }
+
+    fn get(&self, name: &str) -> Option<&SubjectState> {
+        self.table.find(self.hash(name), |s| *s.name == *name)
+    }
+
+    fn get_mut(&mut self, name: &str) -> Option<&mut SubjectState> {
+        let hash = self.hash(name);
+        self.table.find_mut(hash, |s| *s.name == *name)
+    }
+
+    /// The state of `name`, made by `new` if it has none.
+    fn get_or_insert_with(
+        &mut self,
+        name: &str,
+        new: impl FnOnce() -> SubjectState,
+    ) -> &mut SubjectState {
+        use std::hash::BuildHasher;
+        let hash = self.hash(name);
+        let hasher = &self.hasher;
+        self.table
+            .entry(hash, |s| *s.name == *name, |s| hasher.hash_one(&*s.name))
+            .or_insert_with(new)
+            .into_mut()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &SubjectState> {
+        self.table.iter()
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut SubjectState> {
+        self.table.iter_mut()
+    }
+
+    fn retain(&mut self, keep: impl FnMut(&mut SubjectState) -> bool) {
+        self.table.retain(keep);
+    }
+
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.table.is_empty()
     }
 }
 
@@ -529,9 +621,7 @@ pub struct TenantEngine {
     tenant: Arc<str>,
     policy: Policy,
     shared: Arc<SharedBudgets>,
-    /// Keyed by the name stored inline (up to 24 bytes): the first lookup of an admission is usually a
-    /// cache miss, and an `Arc<str>` key cost one more to compare the name behind it.
-    subjects: hashbrown::HashMap<CompactString, SubjectState, foldhash::fast::RandomState>,
+    subjects: Subjects,
     tenant_bucket: Bucket,
     upstreams: HashMap<Arc<str>, UpstreamState>,
     /// Decides subjects' metric labels ([`TenantEngine::subject_names`]).
@@ -569,7 +659,7 @@ impl TenantEngine {
             policy: Policy::new(cfg, &tenant, &shared),
             tenant,
             shared,
-            subjects: hashbrown::HashMap::default(),
+            subjects: Subjects::default(),
             tenant_bucket: Bucket::default(),
             upstreams: HashMap::default(),
             labels: None,
@@ -616,7 +706,8 @@ impl TenantEngine {
             .rescale(now, &old.tenant_g, &new.tenant_g);
         for s in self.subjects.values_mut() {
             s.bucket.rescale(now, &old.subject_g, &new.subject_g);
-            s.tools.retain_mut(|(tool, b)| {
+            let Some(extra) = &mut s.extra else { continue };
+            extra.tools.retain_mut(|(tool, b)| {
                 let o = old.cfg.tools.get(&**tool).and_then(|t| t.bucket);
                 match (o, new.cfg.tools.get(&**tool).and_then(|t| t.bucket)) {
                     (Some(o), Some(n)) => {
@@ -892,17 +983,13 @@ impl TenantEngine {
             (b.remaining(g, now), b.reset_ns(now), b.peek(g, now, inc))
         };
         match lp.layer {
-            Layer::Subject => local(
-                &lp.g,
-                inc,
-                self.subjects.get(&*r.subject).map(|s| &s.bucket),
-            ),
+            Layer::Subject => local(&lp.g, inc, self.subjects.get(&r.subject).map(|s| &s.bucket)),
             Layer::SubjectTool => local(
                 &lp.g,
                 inc,
                 self.subjects
-                    .get(&*r.subject)
-                    .and_then(|s| s.tools.iter().find(|(t, _)| *t == r.tool).map(|(_, b)| b)),
+                    .get(&r.subject)
+                    .and_then(|s| s.tools().iter().find(|(t, _)| *t == r.tool).map(|(_, b)| b)),
             ),
             Layer::Tenant => local(&lp.g, inc, Some(&self.tenant_bucket)),
             Layer::TenantUpstream => {
@@ -956,9 +1043,11 @@ impl TenantEngine {
     fn subject_mut(&mut self, r: &Resolved) -> &mut SubjectState {
         // The owned key is made only when the subject is new.
         let labels = &self.labels;
-        self.subjects.entry_ref(&*r.subject).or_insert_with(|| {
+        self.subjects.get_or_insert_with(&r.subject, || {
             let label_gen = labels.as_ref().map_or(0, |l| l.generation());
-            SubjectState::new(r.subject.clone(), r.subject_label.clone(), label_gen)
+            let folded =
+                !(Arc::ptr_eq(&r.subject_label, &r.subject) || r.subject_label == r.subject);
+            SubjectState::new(r.subject.clone(), folded, label_gen)
         })
     }
 
@@ -969,16 +1058,14 @@ impl TenantEngine {
     /// order calls reach this tenant, so the first subjects to call are the ones named.
     fn subject_names(&mut self, subject: &str) -> (Arc<str>, Arc<str>) {
         if let Some(s) = self.subjects.get_mut(subject) {
-            // The rest of the subject's state is read soon (its buckets, its slot count).
-            prefetch_all(&*s as *const SubjectState);
             if let Some(l) = &self.labels {
                 // Folded under caps that have changed since: there may be room now.
-                if l.is_other(&s.label) && s.label_gen != l.generation() {
+                if s.label_folded && s.label_gen != l.generation() {
                     s.label_gen = l.generation();
-                    s.label = l.label(&self.tenant, &s.name);
+                    s.label_folded = l.is_other(&l.label(&self.tenant, &s.name));
                 }
             }
-            return (s.name.clone(), s.label.clone());
+            return (s.name.clone(), s.label(self.labels.as_deref()));
         }
         let name: Arc<str> = Arc::from(subject);
         let label = match &self.labels {
@@ -1338,7 +1425,7 @@ impl TenantEngine {
 
     fn slots_free(&self, subject: &Arc<str>) -> bool {
         let l = &self.policy.limits;
-        let subj = self.subjects.get(&**subject).map_or(0, |s| s.inflight);
+        let subj = self.subjects.get(subject).map_or(0, |s| s.inflight);
         l.subject.concurrency.is_none_or(|c| subj < c)
             && l.tenant.concurrency.is_none_or(|c| self.inflight < c)
     }
@@ -1393,7 +1480,7 @@ impl TenantEngine {
     }
 
     fn free_slots(&mut self, subject: &Arc<str>, now: Nanos) {
-        if let Some(s) = self.subjects.get_mut(&**subject) {
+        if let Some(s) = self.subjects.get_mut(subject) {
             s.inflight = s.inflight.saturating_sub(1);
             s.keep_until_s = whole_secs(now).saturating_add(KEEP_SUBJECT_SECS);
         }
@@ -1413,12 +1500,12 @@ impl TenantEngine {
         let limits = &self.policy.limits;
         let subject_limit = limits.subject.concurrency.filter(|&c| {
             self.subjects
-                .get(&*r.subject)
+                .get(&r.subject)
                 .is_some_and(|s| s.inflight >= c)
         });
         let tenant_limit = limits.tenant.concurrency;
-        let cursor = match (subject_limit, self.subjects.get_mut(&*r.subject)) {
-            (Some(_), Some(s)) => &mut s.slot_stagger,
+        let cursor = match (subject_limit, self.subjects.get_mut(&r.subject)) {
+            (Some(_), Some(s)) => &mut s.extra_mut().slot_stagger,
             _ => &mut self.slot_stagger,
         };
         let slots = subject_limit.or(tenant_limit).unwrap_or(1).max(1);
@@ -1459,8 +1546,8 @@ impl TenantEngine {
         let over_subject = subject_quota.is_some_and(|q| {
             let used = self
                 .subjects
-                .get(&*r.subject)
-                .map_or(0.0, |s| s.quota.used_on(day));
+                .get(&r.subject)
+                .map_or(0.0, |s| s.quota_used_on(day));
             used + r.cost > q + 1e-9
         });
         let over_tenant = tenant_quota.is_some_and(|q| self.quota.used_on(day) + r.cost > q + 1e-9);
@@ -1483,7 +1570,7 @@ impl TenantEngine {
             ..Charge::default()
         };
         if subject_quota.is_some() {
-            self.subject_mut(&r).quota.add(day, r.cost);
+            self.subject_mut(&r).extra_mut().quota.add(day, r.cost);
             charge.quota_subject = true;
         }
         if tenant_quota.is_some() {
@@ -1566,6 +1653,7 @@ impl TenantEngine {
         }
         if charge.quota_subject {
             self.subject_mut(&r)
+                .extra_mut()
                 .quota
                 .refund(charge.quota_day, charge.cost);
         }
@@ -2006,7 +2094,7 @@ impl TenantEngine {
         let day = utc_day(wall_ms);
         let now_s = whole_secs(now);
         self.subjects
-            .retain(|_, s| now_s < s.keep_until_s || !s.is_resting(now, day));
+            .retain(|s| now_s < s.keep_until_s || !s.is_resting(now, day));
         let windows: HashMap<Arc<str>, u64> = self
             .upstreams
             .keys()
@@ -2114,17 +2202,18 @@ impl TenantEngine {
             &p.tenant_g,
             &self.tenant_bucket,
         )];
-        let mut subjects: Vec<_> = self.subjects.iter().collect();
-        subjects.sort_by(|a, b| a.0.cmp(b.0));
+        let mut subjects: Vec<_> = self.subjects.values().collect();
+        subjects.sort_by(|a, b| a.name.cmp(&b.name));
         let mut subject_snaps = Vec::new();
-        for (name, s) in &subjects {
+        for s in &subjects {
+            let name = &s.name;
             buckets.push(bucket(
                 Layer::Subject,
                 name.to_string(),
                 &p.subject_g,
                 &s.bucket,
             ));
-            for (tool, b) in &s.tools {
+            for (tool, b) in s.tools() {
                 if let Some(spec) = p.cfg.tools.get(&**tool).and_then(|t| t.bucket) {
                     buckets.push(bucket(
                         Layer::SubjectTool,
@@ -2137,7 +2226,7 @@ impl TenantEngine {
             subject_snaps.push(SubjectSnapshot {
                 subject: name.to_string(),
                 inflight: s.inflight,
-                quota_used: s.quota.used_on(day),
+                quota_used: s.quota_used_on(day),
             });
         }
         let mut penalties = Vec::new();
@@ -2369,6 +2458,76 @@ mod lease_size {
     #[test]
     fn a_lease_and_its_number_take_96_bytes() {
         assert_eq!(crate::engine::leases::slot_size::<super::Lease>(), 96);
+    }
+}
+
+#[cfg(all(test, target_pointer_width = "64"))]
+mod subject_state {
+    use super::*;
+    use crate::clock::Clock;
+    use crate::engine::test_support::{call, harness};
+
+    /// The first touch of an admission is usually its subject's state, out of cache: all a plain
+    /// call reads of it lies in one line.
+    #[test]
+    fn a_subject_state_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<SubjectState>(), 64);
+        assert_eq!(std::mem::align_of::<SubjectState>(), 64);
+    }
+
+    #[test]
+    fn subjects_are_found_by_name_among_many_and_dropped_one_by_one() {
+        let names: Vec<Arc<str>> = (0..1000)
+            .map(|i| match i % 3 {
+                0 => Arc::from(format!("s{i}")),
+                1 => Arc::from(format!("a-subject-name-longer-than-twenty-four-bytes-{i}")),
+                _ => Arc::from(format!("ünïcödé-{i}")),
+            })
+            .collect();
+        let mut subjects = Subjects::default();
+        for n in &names {
+            subjects.get_or_insert_with(n, || SubjectState::new(n.clone(), false, 0));
+        }
+        assert_eq!(subjects.len(), names.len());
+        for (i, n) in names.iter().enumerate() {
+            let s = subjects.get_or_insert_with(n, || panic!("{n} is there"));
+            s.inflight = i as u32;
+        }
+        for (i, n) in names.iter().enumerate() {
+            assert_eq!(subjects.get(n).map(|s| s.inflight), Some(i as u32), "{n}");
+            assert!(Arc::ptr_eq(&subjects.get_mut(n).unwrap().name, n));
+        }
+        assert!(subjects.get("s1").is_none() && subjects.get("").is_none());
+        subjects.retain(|s| s.inflight % 2 == 0);
+        assert_eq!(subjects.len(), names.len() / 2);
+        for (i, n) in names.iter().enumerate() {
+            assert_eq!(subjects.get(n).is_some(), i % 2 == 0, "{n}");
+        }
+        subjects.retain(|_| false);
+        assert!(subjects.is_empty());
+    }
+
+    fn engine(toml: &str) -> (crate::clock::FakeClock, TenantEngine) {
+        let (clock, cfg, shared) = harness(toml, 0);
+        (clock, TenantEngine::new(Arc::from("acme"), cfg, shared, 1))
+    }
+
+    #[test]
+    fn only_calls_that_need_more_than_a_bucket_and_a_slot_count_box_the_rest() {
+        let (clock, mut e) = engine("");
+        e.admit(&call("plain", "search"), clock.mono(), clock.wall_ms());
+        assert!(e.subjects.get("plain").unwrap().extra.is_none());
+
+        let (clock, mut e) = engine("[limits.subject]\ndaily_quota = 5\n");
+        e.admit(&call("counted", "search"), clock.mono(), clock.wall_ms());
+        let s = e.subjects.get("counted").unwrap();
+        assert_eq!(s.quota_used_on(crate::clock::utc_day(clock.wall_ms())), 1.0);
+
+        let (clock, mut e) = engine("[tools.search]\nrate = \"5/s\"\n");
+        e.admit(&call("tooled", "search"), clock.mono(), clock.wall_ms());
+        let s = e.subjects.get("tooled").unwrap();
+        assert_eq!(s.tools().len(), 1);
+        assert_eq!(&*s.tools()[0].0, "search");
     }
 }
 
