@@ -18,6 +18,7 @@
 //! charged all or nothing.
 
 use std::collections::VecDeque;
+use std::hash::BuildHasher;
 
 /// The engine's maps are keyed by caller-supplied names and lease numbers and looked up several times
 /// per decision: a fast seeded hasher (foldhash) instead of SipHash. The seed is random per map, so
@@ -151,8 +152,7 @@ impl Lease {
             upstreams: r.upstreams.as_slice().into(),
             cost: r.cost,
             slots,
-            label_folded: !(Arc::ptr_eq(&r.subject_label, &r.subject)
-                || r.subject_label == r.subject),
+            label_folded: r.label_folded(),
             charge,
             created: now,
             expires,
@@ -243,7 +243,7 @@ struct SubjectExtra {
     slot_stagger: Nanos,
 }
 
-/// One subject's state: one cache line (see the `subject_size` test), found by its name.
+/// One subject's state: one cache line (see the `subject_state` tests), found by its name.
 #[derive(Debug)]
 #[repr(align(64))]
 struct SubjectState {
@@ -330,8 +330,7 @@ impl SubjectState {
 
 /// A tenant's subjects' states, found by name. A state holds its name, so finding a subject reads
 /// the table's control bytes, the state's one line and the name's allocation, which the call shares
-/// anyway. (Keyed by a copy of the name stored beside the state, as before, an entry took 144 bytes
-/// over three lines.)
+/// anyway. (With a separate copy of the name as the key, an entry took 144 bytes over three lines.)
 #[derive(Default)]
 struct Subjects {
     table: hashbrown::HashTable<SubjectState>,
@@ -340,7 +339,6 @@ struct Subjects {
 
 impl Subjects {
     fn hash(&self, name: &str) -> u64 {
-        use std::hash::BuildHasher;
         self.hasher.hash_one(name)
     }
 
@@ -359,7 +357,6 @@ impl Subjects {
         name: &str,
         new: impl FnOnce() -> SubjectState,
     ) -> &mut SubjectState {
-        use std::hash::BuildHasher;
         let hash = self.hash(name);
         let hasher = &self.hasher;
         self.table
@@ -1045,9 +1042,7 @@ impl TenantEngine {
         let labels = &self.labels;
         self.subjects.get_or_insert_with(&r.subject, || {
             let label_gen = labels.as_ref().map_or(0, |l| l.generation());
-            let folded =
-                !(Arc::ptr_eq(&r.subject_label, &r.subject) || r.subject_label == r.subject);
-            SubjectState::new(r.subject.clone(), folded, label_gen)
+            SubjectState::new(r.subject.clone(), r.label_folded(), label_gen)
         })
     }
 

@@ -107,6 +107,15 @@ pub struct Resolved {
     pub cost: f64,
 }
 
+impl Resolved {
+    /// Whether the subject's label is the folded `__other__` rather than its own name: a label is
+    /// one of the two, so leases and subject states keep this flag instead of a second string. (A
+    /// subject literally named `__other__` reads the same either way.)
+    pub fn label_folded(&self) -> bool {
+        !(Arc::ptr_eq(&self.subject_label, &self.subject) || self.subject_label == self.subject)
+    }
+}
+
 /// A refusal.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Shed {
