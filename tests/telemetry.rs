@@ -415,6 +415,17 @@ fn spans_arrive_with_their_attributes(
         Some("2")
     );
     assert!(admitted.end_time_unix_nano >= admitted.start_time_unix_nano);
+    // Dated by the request's own wall-clock start, not left at the epoch.
+    let now_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    assert!(
+        admitted.start_time_unix_nano > now_ns - 3_600_000_000_000
+            && admitted.start_time_unix_nano <= now_ns,
+        "start {} against now {now_ns}",
+        admitted.start_time_unix_nano
+    );
 
     let (shed_span, _) = spans
         .iter()

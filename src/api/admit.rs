@@ -21,7 +21,7 @@ use crate::clock::{ceil_ms, ceil_secs};
 use crate::config::Mode;
 use crate::engine::refusal::whole_seconds;
 use crate::engine::{tightest, AdmitRequest, Decision, LayerState, Shed, Verdict};
-use crate::telemetry::{DecisionEvent, DecisionKind};
+use crate::telemetry::{DecisionEvent, DecisionKind, SpanFields};
 
 /// Names borrow from the request body when they need no unescaping (the usual case), so the only
 /// copies made are the ones the tenant actor keeps.
@@ -516,10 +516,17 @@ fn answer(
     traced: bool,
 ) -> (Response, DecisionEvent) {
     let tightest = d.tightest();
-    let traceparent = headers
-        .get(&TRACEPARENT)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    // Read for spans only: without them the header is not even looked up.
+    let mut span = traced.then(|| {
+        Box::new(SpanFields {
+            traceparent: headers
+                .get(&TRACEPARENT)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            lease: None,
+            start_unix_ns,
+        })
+    });
     let mut event = DecisionEvent {
         tenant: tenant.clone(),
         subject: d.resolved.subject.clone(),
@@ -534,9 +541,7 @@ fn answer(
         retry_after_ms: 0,
         decision_ns,
         call_id,
-        traceparent,
-        lease: None,
-        start_unix_ns,
+        span: None,
     };
     let mut response = match &d.verdict {
         Verdict::Admitted(a) => {
@@ -571,8 +576,8 @@ fn answer(
                     .then(|| ceil_ms(a.hold_ns)),
             };
             let r = super::json_response(StatusCode::OK, write_admitted(&body));
-            if traced {
-                event.lease = Some(a.lease);
+            if let Some(span) = &mut span {
+                span.lease = Some(a.lease);
             }
             r
         }
@@ -592,6 +597,7 @@ fn answer(
         }
     };
     ratelimit_headers(response.headers_mut(), &d.layers);
+    event.span = span;
     (response, event)
 }
 

@@ -677,9 +677,7 @@ mod tests {
             retry_after_ms: 1500,
             decision_ns: 30_000,
             call_id: None,
-            traceparent: None,
-            lease: None,
-            start_unix_ns: 0,
+            span: None,
         })
     }
 

@@ -252,9 +252,7 @@ mod tests {
             retry_after_ms: 0,
             decision_ns: 0,
             call_id: None,
-            traceparent: None,
-            lease: None,
-            start_unix_ns: 0,
+            span: None,
         }
     }
 

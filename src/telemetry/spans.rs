@@ -820,7 +820,10 @@ impl SpanActor {
     }
 
     fn decision(&mut self, d: &DecisionEvent) {
-        let parent = d.traceparent.as_deref().and_then(parse_traceparent);
+        let fields = d.span.as_deref();
+        let parent = fields
+            .and_then(|f| f.traceparent.as_deref())
+            .and_then(parse_traceparent);
         let trace_id = match parent {
             Some(p) => p.trace_id,
             None => u128::from(self.ids.next()) << 64 | u128::from(self.ids.next()),
@@ -831,7 +834,7 @@ impl SpanActor {
         if !self.within_budget() {
             return;
         }
-        let start_ns = d.start_unix_ns.min(u128::from(u64::MAX)) as u64;
+        let start_ns = fields.map_or(0, |f| f.start_unix_ns.min(u128::from(u64::MAX)) as u64);
         let decided_ns = start_ns.saturating_add(d.decision_ns);
         let mut span = Box::new(AdmissionSpan {
             trace_id,
@@ -855,7 +858,7 @@ impl SpanActor {
             ending: Ending::Decided,
         });
         if d.kind != DecisionKind::Shed && self.open.len() < MAX_OPEN {
-            if let Some(lease) = d.lease {
+            if let Some(lease) = fields.and_then(|f| f.lease) {
                 span.opened = true;
                 self.open
                     .insert((lease, d.tenant.clone()), (span, self.clock.mono()));
@@ -1047,9 +1050,11 @@ mod tests {
             retry_after_ms: if kind == DecisionKind::Shed { 1500 } else { 0 },
             decision_ns: 40_000,
             call_id: Some("c-1".into()),
-            traceparent: None,
-            lease,
-            start_unix_ns: 1_700_000_000_000_000_000,
+            span: Some(Box::new(crate::telemetry::SpanFields {
+                traceparent: None,
+                lease,
+                start_unix_ns: 1_700_000_000_000_000_000,
+            })),
         }
     }
 
@@ -1147,7 +1152,7 @@ mod tests {
         let clock = FakeClock::new(0);
         let (mut a, rx) = actor(&clock, 1.0);
         let mut d = decision("acme", DecisionKind::Shed, None);
-        d.traceparent = Some(TP.into());
+        d.span.as_mut().unwrap().traceparent = Some(TP.into());
         a.handle_events(&[Event::Decision(d)]);
         let spans = exported(&mut a, &rx);
         assert_eq!(spans.len(), 1);
@@ -1274,9 +1279,9 @@ mod tests {
         let clock = FakeClock::new(0);
         let (mut a, rx) = actor(&clock, 0.0);
         let mut unsampled = decision("acme", DecisionKind::Shed, None);
-        unsampled.traceparent = Some(TP.replace("-01", "-00"));
+        unsampled.span.as_mut().unwrap().traceparent = Some(TP.replace("-01", "-00"));
         let mut sampled = decision("acme", DecisionKind::Shed, None);
-        sampled.traceparent = Some(TP.into());
+        sampled.span.as_mut().unwrap().traceparent = Some(TP.into());
         a.handle_events(&[
             Event::Decision(decision("acme", DecisionKind::Shed, None)),
             Event::Decision(unsampled),
@@ -1295,7 +1300,7 @@ mod tests {
         let clock = FakeClock::new(0);
         let (mut a, rx) = limited_actor(&clock, 1.0, 3);
         let mut parented = decision("acme", DecisionKind::Shed, None);
-        parented.traceparent = Some(TP.into());
+        parented.span.as_mut().unwrap().traceparent = Some(TP.into());
         let calls: Vec<Event> = (0..4)
             .map(|_| Event::Decision(decision("acme", DecisionKind::Shed, None)))
             .chain([
