@@ -2,7 +2,9 @@
 //!
 //! With a thousand tenants, the state one admission reads (the tenant actor, its engine, the subject,
 //! the lease slot) is rarely still in cache, and the reads that find it come one after another, each
-//! waiting for the last. Asking for those lines up front lets their loads overlap. The metrics thread
+//! waiting for the last. Asking for those lines up front lets their loads overlap: the tenant actor
+//! and its engine, and the next lease slot, are prefetched (a subject's state is one line, found by
+//! the lookup itself, so there is nothing to ask for ahead of it). The metrics thread
 //! does the same for the series it records into and the names it hashes (`telemetry::rawindex`,
 //! `telemetry::metrics`).
 
