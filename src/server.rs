@@ -41,7 +41,7 @@ async fn serve_http(
     use hyper_util::server::conn::auto;
     use hyper_util::server::graceful::GracefulShutdown;
 
-    let service = warp::service(api::routes(app));
+    let service = api::service(app);
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // An answer is a few hundred bytes: copying the body behind the head and writing both with one
@@ -60,7 +60,7 @@ async fn serve_http(
             },
             () = &mut stop => break,
         };
-        let service = BoxedService(service.clone());
+        let service = service.clone();
         let connection = graceful.watch(
             builder
                 .serve_connection_with_upgrades(TokioIo::new(io), service)
@@ -74,32 +74,6 @@ async fn serve_http(
     }
     drop(listener);
     graceful.shutdown().await;
-}
-
-/// warp's service as a hyper service whose request future lives in a box of its own.
-///
-/// hyper keeps each connection's request future in one place for the connection's life and moves
-/// every new request's future into it. warp's future is over a kilobyte (the request and its route,
-/// the filters' state and the handler's), and with many connections that place was last written a
-/// whole round of connections earlier: with a thousand tenants' state passing through the cache in
-/// between, the move wrote a dozen cache lines that had to be fetched first. A box is the allocator's
-/// most recently freed block of that size, which is still in cache (docs/BENCHMARKS.md, eleventh
-/// round).
-#[derive(Clone)]
-struct BoxedService<S>(S);
-
-impl<S, R> hyper::service::Service<R> for BoxedService<S>
-where
-    S: tower_service::Service<R> + Clone,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = std::pin::Pin<Box<S::Future>>;
-
-    fn call(&self, req: R) -> Self::Future {
-        // warp's service is always ready (its `poll_ready` returns `Ready` without looking).
-        Box::pin(self.0.clone().call(req))
-    }
 }
 
 /// What to do when `accept` fails. Errors of the connection being accepted (reset before it was

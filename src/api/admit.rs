@@ -64,7 +64,7 @@ impl Drop for HoldGuard<'_> {
 
 pub async fn admit(
     app: &Arc<App>,
-    headers: &HeaderMap,
+    traceparent: Option<String>,
     bytes: bytes::Bytes,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
@@ -116,7 +116,7 @@ pub async fn admit(
         tenant_name,
         &decision,
         call_id,
-        headers,
+        traceparent,
         decision_ns,
         start_unix_ns,
         traced,
@@ -250,8 +250,6 @@ async fn wait_out(
 
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-/// Looked up by a ready name: by a `&str` the map would parse and validate the name on every call.
-static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// A number written as an integer when it is whole (`20`, not `20.0`).
 struct Num(f64);
@@ -510,19 +508,16 @@ fn answer(
     tenant: Arc<str>,
     d: &Decision,
     call_id: Option<String>,
-    headers: &HeaderMap,
+    traceparent: Option<String>,
     decision_ns: u64,
     start_unix_ns: u128,
     traced: bool,
 ) -> (Response, DecisionEvent) {
     let tightest = d.tightest();
-    // Read for spans only: without them the header is not even looked up.
+    // For spans only (without them the header is not even looked up; see `body::head`).
     let mut span = traced.then(|| {
         Box::new(SpanFields {
-            traceparent: headers
-                .get(&TRACEPARENT)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string),
+            traceparent,
             lease: None,
             start_unix_ns,
         })

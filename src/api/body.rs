@@ -8,6 +8,7 @@
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
+use warp::http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use warp::http::{HeaderMap, StatusCode};
 
 use super::error::ApiError;
@@ -47,25 +48,87 @@ fn too_large() -> ApiError {
     )
 }
 
-/// Checks the content type and declared length before anything is read.
-pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
-    let raw = headers.get(warp::http::header::CONTENT_TYPE);
-    // What clients send nearly always, checked without parsing.
-    if raw.is_none_or(|v| v.as_bytes() != b"application/json") {
-        check_content_type(raw.and_then(|v| v.to_str().ok()).unwrap_or(""))?;
-    }
-    if let Some(len) = headers.get(warp::http::header::CONTENT_LENGTH) {
-        match len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()) {
-            Some(n) if n > MAX_BODY as u64 => return Err(too_large()),
-            Some(_) => {}
-            None => {
-                return Err(ApiError::invalid(
-                    "the Content-Length header is not a number",
-                ))
-            }
+/// A request header as the API reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Header<T> {
+    Absent,
+    Present(T),
+    /// Sent, but not visible ASCII, or not of the header's form.
+    Unreadable,
+}
+
+impl<T> Header<T> {
+    fn read(v: Option<&HeaderValue>, parse: impl FnOnce(&str) -> Option<T>) -> Self {
+        match v.map(|v| v.to_str().ok().and_then(parse)) {
+            None => Header::Absent,
+            Some(Some(t)) => Header::Present(t),
+            Some(None) => Header::Unreadable,
         }
     }
-    Ok(())
+}
+
+/// The `Content-Type` of a request: the exact value nearly every client sends, told apart without
+/// a copy, or anything else, as sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentType {
+    Json,
+    Other(String),
+}
+
+/// The request headers the API reads, taken from the request before warp sees it (see
+/// [`super::service`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    pub content_type: Header<ContentType>,
+    /// The declared `Content-Length`.
+    pub content_length: Header<u64>,
+    /// The W3C `traceparent` header, read only when spans are exported.
+    pub traceparent: Option<String>,
+}
+
+/// Looked up by a ready name: by a `&str` the map would parse and validate the name on every call.
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+impl Head {
+    /// What a request without any of the headers has.
+    pub const NONE: Head = Head {
+        content_type: Header::Absent,
+        content_length: Header::Absent,
+        traceparent: None,
+    };
+
+    /// Reads the headers; `traceparent` only when `traced` (spans are exported).
+    pub fn read(headers: &HeaderMap, traced: bool) -> Self {
+        let content_type = match headers.get(CONTENT_TYPE) {
+            // What clients send nearly always, told without a copy.
+            Some(v) if v.as_bytes() == b"application/json" => Header::Present(ContentType::Json),
+            v => Header::read(v, |s| Some(ContentType::Other(s.to_owned()))),
+        };
+        Head {
+            content_type,
+            content_length: Header::read(headers.get(CONTENT_LENGTH), |s| s.trim().parse().ok()),
+            traceparent: traced
+                .then(|| headers.get(&TRACEPARENT)?.to_str().ok().map(str::to_owned))
+                .flatten(),
+        }
+    }
+}
+
+/// Checks the content type and declared length before anything is read.
+pub fn check_headers(head: &Head) -> Result<(), ApiError> {
+    match &head.content_type {
+        // What clients send nearly always, checked without parsing.
+        Header::Present(ContentType::Json) => {}
+        Header::Present(ContentType::Other(ct)) => check_content_type(ct)?,
+        Header::Absent | Header::Unreadable => check_content_type("")?,
+    }
+    match head.content_length {
+        Header::Present(n) if n > MAX_BODY as u64 => Err(too_large()),
+        Header::Unreadable => Err(ApiError::invalid(
+            "the Content-Length header is not a number",
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn check_content_type(ct: &str) -> Result<(), ApiError> {
@@ -157,17 +220,83 @@ pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use warp::http::HeaderValue;
 
-    fn headers(ct: Option<&str>, len: Option<&str>) -> HeaderMap {
-        let mut h = HeaderMap::new();
+    /// The [`Head`] of a request with these headers.
+    fn head_of(headers: &[(&str, &[u8])], traced: bool) -> Head {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_bytes(value).unwrap(),
+            );
+        }
+        Head::read(&map, traced)
+    }
+
+    fn headers(ct: Option<&str>, len: Option<&str>) -> Head {
+        let mut sent: Vec<(&str, &[u8])> = Vec::new();
         if let Some(ct) = ct {
-            h.insert("content-type", HeaderValue::from_str(ct).unwrap());
+            sent.push(("content-type", ct.as_bytes()));
         }
         if let Some(len) = len {
-            h.insert("content-length", HeaderValue::from_str(len).unwrap());
+            sent.push(("content-length", len.as_bytes()));
         }
-        h
+        head_of(&sent, false)
+    }
+
+    #[test]
+    fn the_head_holds_the_headers_as_sent() {
+        let json: &[u8] = b"application/json";
+        let h = head_of(
+            &[("content-type", json), ("content-length", b" 12 ")],
+            false,
+        );
+        assert_eq!(h.content_type, Header::Present(ContentType::Json));
+        assert_eq!(h.content_length, Header::Present(12));
+        let h = head_of(&[("Content-Type", b"text/plain; charset=utf-8")], false);
+        assert_eq!(
+            h.content_type,
+            Header::Present(ContentType::Other("text/plain; charset=utf-8".into()))
+        );
+        assert_eq!(h.content_length, Header::Absent);
+        // Not visible ASCII, or not a number: sent, but unreadable.
+        let h = head_of(
+            &[
+                ("content-type", b"application/j\xf8on"),
+                ("content-length", b"ten"),
+            ],
+            false,
+        );
+        assert_eq!(h.content_type, Header::Unreadable);
+        assert_eq!(h.content_length, Header::Unreadable);
+        assert_eq!(head_of(&[], true), Head::NONE);
+    }
+
+    #[test]
+    fn traceparent_is_read_only_when_spans_are_exported() {
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let sent = [("traceparent", tp.as_bytes())];
+        assert_eq!(head_of(&sent, true).traceparent.as_deref(), Some(tp));
+        assert_eq!(head_of(&sent, false).traceparent, None);
+        assert_eq!(head_of(&[("traceparent", b"\xff")], true).traceparent, None);
+    }
+
+    #[test]
+    fn unreadable_headers_are_refused_as_missing_or_not_a_number() {
+        let e = check_headers(&Head {
+            content_type: Header::Unreadable,
+            ..headers(None, None)
+        })
+        .unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.message.contains("(got none)"), "{}", e.message);
+        let e = check_headers(&Head {
+            content_length: Header::Unreadable,
+            ..headers(Some("application/json"), None)
+        })
+        .unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.message.contains("Content-Length"), "{}", e.message);
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod error;
 pub mod lease;
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use actix::Addr;
 use bytes::Buf;
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
-use warp::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use warp::http::{HeaderValue, Method, StatusCode};
 use warp::reply::Response;
 use warp::{Filter, Reply};
 
@@ -63,20 +64,88 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
     }
 }
 
-/// The whole API as one warp filter.
-pub fn routes(
+tokio::task_local! {
+    /// The headers the API reads, taken from the request by [`Service`] before warp sees it.
+    static HEAD: Cell<Option<body::Head>>;
+}
+
+/// The API as hyper serves it: warp's service for [`routes`], with two differences that matter for
+/// speed.
+///
+/// - The headers the API reads ([`body::Head`]) are taken from the request before warp sees it.
+///   warp's filters can only copy headers out: the whole map (`warp::header::headers_cloned`),
+///   1.6% of an admission's instructions, or each header through a filter of its own, which cost
+///   about as much again in the filters' futures and in parsing the names.
+/// - Each request's future lives in a box of its own. hyper keeps each connection's request future
+///   in one place for the connection's life and moves every new request's future into it. warp's
+///   future is over a kilobyte (the request and its route, the filters' state and the handler's),
+///   and with many connections that place was last written a whole round of connections earlier:
+///   with a thousand tenants' state passing through the cache in between, the move wrote a dozen
+///   cache lines that had to be fetched first. A box is the allocator's most recently freed block
+///   of that size, which is still in cache (docs/BENCHMARKS.md, eleventh round).
+pub fn service(
+    app: Arc<App>,
+) -> Service<
+    impl tower_service::Service<
+            warp::http::Request<hyper::body::Incoming>,
+            Response = Response,
+            Error = std::convert::Infallible,
+            Future: Send + 'static,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+> {
+    Service {
+        traced: app.shared.telemetry.traces(),
+        warp: warp::service(routes(app)),
+    }
+}
+
+/// See [`service`].
+#[derive(Clone)]
+pub struct Service<S> {
+    warp: S,
+    traced: bool,
+}
+
+impl<S> hyper::service::Service<warp::http::Request<hyper::body::Incoming>> for Service<S>
+where
+    S: tower_service::Service<warp::http::Request<hyper::body::Incoming>> + Clone,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<
+        Box<tokio::task::futures::TaskLocalFuture<Cell<Option<body::Head>>, S::Future>>,
+    >;
+
+    fn call(&self, req: warp::http::Request<hyper::body::Incoming>) -> Self::Future {
+        let head = body::Head::read(req.headers(), self.traced);
+        // warp's service is always ready (its `poll_ready` returns `Ready` without looking).
+        Box::pin(HEAD.scope(Cell::new(Some(head)), self.warp.clone().call(req)))
+    }
+}
+
+/// The whole API as one warp filter, served by [`service`] (which gives it the request's headers).
+fn routes(
     app: Arc<App>,
 ) -> impl Filter<Extract = (Response,), Error = warp::Rejection> + Clone + Send + Sync + 'static {
     warp::any()
         .and(warp::method())
         .and(warp::path::full())
-        .and(warp::header::headers_cloned())
+        // Outside `service`, no headers: every body is refused for want of a content type.
+        .and(warp::any().map(|| {
+            HEAD.try_with(Cell::take)
+                .ok()
+                .flatten()
+                .unwrap_or(body::Head::NONE)
+        }))
         .and(warp::body::stream())
         .then(
-            move |method: Method, path: warp::path::FullPath, headers: HeaderMap, body| {
+            move |method: Method, path: warp::path::FullPath, head: body::Head, body| {
                 let app = app.clone();
                 async move {
-                    match dispatch(&app, &method, path.as_str(), &headers, body).await {
+                    match dispatch(&app, &method, path.as_str(), head, body).await {
                         Ok(r) => r,
                         Err(e) => e.into_response(),
                     }
@@ -89,7 +158,7 @@ async fn dispatch<S, B>(
     app: &Arc<App>,
     method: &Method,
     path: &str,
-    headers: &HeaderMap,
+    head: body::Head,
     body: S,
 ) -> Result<Response, ApiError>
 where
@@ -100,11 +169,14 @@ where
     let get = method == Method::GET || method == Method::HEAD;
     let post = method == Method::POST;
     match path {
-        "/v1/admit" if post => admit::admit(app, headers, json_body(headers, body).await?).await,
-        "/v1/release" if post => release(app, json_body(headers, body).await?).await,
+        "/v1/admit" if post => {
+            let bytes = json_body(&head, body).await?;
+            admit::admit(app, head.traceparent, bytes).await
+        }
+        "/v1/release" if post => release(app, json_body(&head, body).await?).await,
         // The routes below are rare: their futures are boxed so that they do not make every
         // request's future (moved several times on its way into the connection task) larger.
-        "/v1/feedback" if post => Box::pin(feedback(app, json_body(headers, body).await?)).await,
+        "/v1/feedback" if post => Box::pin(feedback(app, json_body(&head, body).await?)).await,
         "/healthz" if get => Ok(json(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
         "/readyz" if get => Ok(json(
             StatusCode::OK,
@@ -162,12 +234,12 @@ where
     }
 }
 
-async fn json_body<S, B>(headers: &HeaderMap, mut body: S) -> Result<bytes::Bytes, ApiError>
+async fn json_body<S, B>(head: &body::Head, mut body: S) -> Result<bytes::Bytes, ApiError>
 where
     S: Stream<Item = Result<B, warp::Error>> + Unpin,
     B: Buf,
 {
-    if let Err(e) = body::check_headers(headers) {
+    if let Err(e) = body::check_headers(head) {
         if e.status == StatusCode::PAYLOAD_TOO_LARGE {
             body::drain(&mut body).await;
         }
