@@ -25,9 +25,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::clock::{Nanos, NS_PER_SEC};
 use crate::config::BucketSpec;
 
-/// Tolerance used when turning fractional tokens into whole tokens, so that rounding a refill interval
-/// to whole nanoseconds never shows 18.999… tokens as 18.
+/// Tolerance for a cost just over the burst (see [`Gcra::oversized`]).
 const WHOLE_TOKEN_EPSILON: f64 = 1e-6;
+
+/// Relative tolerance for the float error of counting tokens (`burst - missing_ns / t`, a few units in
+/// the last place of `burst`), so that exactly 19 tokens are never counted as 18.999… and shown as 18.
+/// It hides less than a nanosecond's worth of tokens in any bucket faster than one token per 1 000 s.
+const TOKEN_COUNT_GUARD: f64 = 1e-12;
 
 /// The longest full refill a bucket may have, in nanoseconds: about 73 years, so that `now + 2τ` and
 /// the promise horizon stay far inside u64 for centuries of uptime.
@@ -61,9 +65,14 @@ impl Gcra {
         }
     }
 
-    /// The nanoseconds `cost` tokens take to refill.
+    /// The nanoseconds `cost` tokens take to refill, rounded down: what a bucket records as spent is
+    /// then never more than its calls spent, so a bucket never counts one whole token fewer than it
+    /// holds (rounded to the nearest, three calls of cost 1 at a refill of 666 666 666.7 ns each
+    /// recorded 1 ns too many, and 17 tokens showed as 16), and the whole tokens it shows are
+    /// exactly what it would admit.
     pub fn increment(&self, cost: f64) -> u64 {
-        round_to_u64((cost * self.t).min(u64::MAX as f64 / 4.0))
+        // Truncation is `floor` for a positive number (and 0 for anything else).
+        (cost * self.t).min(u64::MAX as f64 / 4.0) as u64
     }
 
     /// Whether `cost` is more than the bucket can ever hold.
@@ -83,8 +92,9 @@ impl Gcra {
         if tokens <= 0.0 {
             0
         } else {
-            // Truncation is `floor` for a positive number, without a call into libm.
-            (tokens + WHOLE_TOKEN_EPSILON) as u64
+            // Truncation is `floor` for a positive number, without a call into libm. Only float error
+            // is forgiven: 19.999999 tokens (a cost of 0.000001 spent) are 19 whole ones.
+            (tokens + self.burst * TOKEN_COUNT_GUARD) as u64
         }
     }
 }
@@ -330,9 +340,8 @@ mod tests {
         }
         for x in cases {
             assert_eq!(round_to_u64(x), x.round() as u64, "{x:e}");
-            let floored = (x + WHOLE_TOKEN_EPSILON) as u64;
             if x > 0.0 {
-                assert_eq!(floored, (x + WHOLE_TOKEN_EPSILON).floor() as u64, "{x:e}");
+                assert_eq!(x as u64, x.floor() as u64, "{x:e}");
             }
         }
     }
@@ -519,6 +528,40 @@ mod tests {
         for left in (0..7).rev() {
             b.take(&g7, 0, inc, 0);
             assert_eq!(b.remaining(&g7, 0), left);
+        }
+    }
+
+    /// `r` counts whole tokens: a bucket short of the smallest fraction of a token shows one fewer,
+    /// and one that holds a whole number of tokens after calls of awkward costs at awkward rates
+    /// shows exactly that number.
+    #[test]
+    fn whole_tokens_are_neither_rounded_up_nor_one_short() {
+        let g2 = g(2.0, 20.0);
+        for cost in [1e-6, 1e-3, 0.4] {
+            let mut b = Bucket::default();
+            b.take(&g2, 0, g2.increment(cost), 0);
+            assert_eq!(b.remaining(&g2, 0), 19, "cost {cost}");
+        }
+        for (rate, cost) in [
+            (1.5, 1.0f64),
+            (3.0, 1.0),
+            (0.7, 0.1),
+            (7.0 / 60.0, 0.01),
+            (1e6, 1.0),
+        ] {
+            let g = g(rate, 20.0);
+            let mut b = Bucket::default();
+            let calls = (1.0 / cost).round() as u64;
+            for _ in 0..calls * 3 {
+                b.take(&g, 0, g.increment(cost), 0);
+            }
+            assert_eq!(b.remaining(&g, 0), 17, "rate {rate}, cost {cost}");
+            // And what it shows, it admits.
+            assert!(matches!(
+                b.take(&g, 0, g.increment(17.0), 0),
+                Take::Ok { wait: 0 }
+            ));
+            assert_eq!(b.remaining(&g, 0), 0, "rate {rate}, cost {cost}");
         }
     }
 
