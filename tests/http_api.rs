@@ -699,6 +699,27 @@ fn reload_swaps_policy_without_resetting_state() {
     assert_eq!(a.body["limit"], 10, "old config kept: {:?}", a.body);
 }
 
+/// `restart_required` names the keys whose new values differ from what the process runs with, so a
+/// change undone by the next reload needs no restart.
+#[test]
+fn a_reload_asks_for_a_restart_only_while_the_file_differs_from_the_running_process() {
+    let d = Daemon::start("[server]\nworkers = 1\n");
+    let reload = |text: &str| {
+        d.rewrite_config(text);
+        let r = d.post("/v1/admin/reload", json!({}));
+        assert_eq!(r.status, 200, "{:?}", r.body);
+        r.body["restart_required"].clone()
+    };
+    assert_eq!(reload("[server]\nworkers = 2\n"), json!(["server.workers"]));
+    assert_eq!(reload("[server]\nworkers = 2\n"), json!(["server.workers"]));
+    assert_eq!(reload("[server]\nworkers = 1\n"), json!([]));
+    // --listen keeps the address the daemon listens on, whatever the file says.
+    assert_eq!(
+        reload("[server]\nworkers = 1\nlisten = \"127.0.0.1:1\"\n"),
+        json!([])
+    );
+}
+
 #[cfg(unix)]
 #[test]
 fn sigterm_answers_the_call_in_flight_then_exits() {

@@ -75,6 +75,9 @@ type Table = hashbrown::HashTable<Entry>;
 /// State every part of the daemon shares. Cheap to reach through an `Arc`.
 pub struct Shared {
     pub config: ArcSwap<Config>,
+    /// The config the process started with: where it listens, its worker count and its span
+    /// exporter are these until a restart, whatever a reload says.
+    pub started: Arc<Config>,
     pub budgets: Arc<SharedBudgets>,
     pub clock: Arc<dyn Clock>,
     pub telemetry: Telemetry,
@@ -109,8 +112,10 @@ impl Shared {
             std::process::id().hash(&mut h);
             h.finish()
         };
+        let started = Arc::new(config);
         Arc::new(Shared {
-            config: ArcSwap::from_pointee(config),
+            config: ArcSwap::new(Arc::clone(&started)),
+            started,
             budgets,
             clock,
             telemetry,

@@ -491,14 +491,17 @@ pub async fn reload(
         new.server.listen = addr;
         new.listen_override = Some(addr);
     }
+    // Against what the process runs with, not the last file read: a key changed by one reload and
+    // changed back by the next needs no restart.
+    let running = &shared.started;
     let mut restart = Vec::new();
-    if new.server.listen != current.server.listen {
+    if new.server.listen != running.server.listen {
         restart.push("server.listen");
     }
-    if new.server.workers != current.server.workers {
+    if new.worker_count() != running.worker_count() {
         restart.push("server.workers");
     }
-    if new.telemetry.otlp != current.telemetry.otlp {
+    if new.telemetry.otlp != running.telemetry.otlp {
         restart.push("telemetry.otlp");
     }
     global
