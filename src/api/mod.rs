@@ -64,18 +64,20 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
     }
 }
 
-tokio::task_local! {
-    /// The headers the API reads, taken from the request by [`Service`] before warp sees it.
-    static HEAD: Cell<Option<body::Head>>;
+thread_local! {
+    /// The headers of the request whose future is being polled on this thread, put here by
+    /// [`WithHead`] for the routes to take.
+    static HEAD: Cell<Option<body::Head>> = const { Cell::new(None) };
 }
 
 /// The API as hyper serves it: warp's service for [`routes`], with two differences that matter for
 /// speed.
 ///
 /// - The headers the API reads ([`body::Head`]) are taken from the request before warp sees it.
-///   warp's filters can only copy headers out: the whole map (`warp::header::headers_cloned`),
-///   1.6% of an admission's instructions, or each header through a filter of its own, which cost
-///   about as much again in the filters' futures and in parsing the names.
+///   warp's filters can only copy headers out: copying the whole map
+///   (`warp::header::headers_cloned`) cost 4% of an admission's instructions, and reading each
+///   header through a filter of its own still cost most of that, in the filters' futures and in
+///   parsing the names.
 /// - Each request's future lives in a box of its own. hyper keeps each connection's request future
 ///   in one place for the connection's life and moves every new request's future into it. warp's
 ///   future is over a kilobyte (the request and its route, the filters' state and the handler's),
@@ -115,14 +117,42 @@ where
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = std::pin::Pin<
-        Box<tokio::task::futures::TaskLocalFuture<Cell<Option<body::Head>>, S::Future>>,
-    >;
+    type Future = WithHead<S::Future>;
 
     fn call(&self, req: warp::http::Request<hyper::body::Incoming>) -> Self::Future {
-        let head = body::Head::read(req.headers(), self.traced);
-        // warp's service is always ready (its `poll_ready` returns `Ready` without looking).
-        Box::pin(HEAD.scope(Cell::new(Some(head)), self.warp.clone().call(req)))
+        WithHead {
+            head: Some(body::Head::read(req.headers(), self.traced)),
+            // warp's service is always ready (its `poll_ready` returns `Ready` without looking).
+            inner: Box::pin(self.warp.clone().call(req)),
+        }
+    }
+}
+
+/// A request's future, in a box of its own, and the headers its routes read: while they have not
+/// taken them, they find them in [`HEAD`] whenever the future is polled. (tokio's task-local
+/// future would do the same, but holds the future inline, which moved the kilobyte of warp's
+/// future once more per request.)
+pub struct WithHead<F> {
+    head: Option<body::Head>,
+    inner: std::pin::Pin<Box<F>>,
+}
+
+impl<F: std::future::Future> std::future::Future for WithHead<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = self.get_mut();
+        if this.head.is_none() {
+            return this.inner.as_mut().poll(cx);
+        }
+        HEAD.set(this.head.take());
+        let poll = this.inner.as_mut().poll(cx);
+        // What the routes did not take stays with this request, not for the next one polled here.
+        this.head = HEAD.take();
+        poll
     }
 }
 
@@ -134,12 +164,7 @@ fn routes(
         .and(warp::method())
         .and(warp::path::full())
         // Outside `service`, no headers: every body is refused for want of a content type.
-        .and(warp::any().map(|| {
-            HEAD.try_with(Cell::take)
-                .ok()
-                .flatten()
-                .unwrap_or(body::Head::NONE)
-        }))
+        .and(warp::any().map(|| HEAD.take().unwrap_or(body::Head::NONE)))
         .and(warp::body::stream())
         .then(
             move |method: Method, path: warp::path::FullPath, head: body::Head, body| {
@@ -539,5 +564,54 @@ mod tests {
         assert_eq!(status_field("s", 429).unwrap(), 429);
         assert!(status_field("s", 600).is_err());
         assert!(status_field("s", -1).is_err());
+    }
+}
+
+#[cfg(test)]
+mod with_head_tests {
+    use super::*;
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll, Waker};
+
+    /// A request's future that takes the head on its `take_on`th poll.
+    struct TakesOn {
+        take_on: u32,
+        polls: u32,
+    }
+
+    impl Future for TakesOn {
+        type Output = Option<body::Head>;
+        fn poll(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Self::Output> {
+            self.polls += 1;
+            if self.polls == self.take_on {
+                Poll::Ready(HEAD.take())
+            } else {
+                Poll::Pending
+            }
+        }
+    }
+
+    #[test]
+    fn routes_find_their_head_on_whichever_poll_reads_it_and_no_other_request_does() {
+        let mut map = warp::http::HeaderMap::new();
+        map.insert("content-type", HeaderValue::from_static("application/json"));
+        let head = body::Head::read(&map, false);
+        assert_ne!(head, body::Head::NONE);
+        let mut f = WithHead {
+            head: Some(head.clone()),
+            inner: Box::pin(TakesOn {
+                take_on: 3,
+                polls: 0,
+            }),
+        };
+        let mut cx = Context::from_waker(Waker::noop());
+        for _ in 0..2 {
+            assert!(Pin::new(&mut f).poll(&mut cx).is_pending());
+            // Between polls the thread holds nothing: another request polled now finds no head.
+            assert_eq!(HEAD.take(), None);
+        }
+        assert_eq!(Pin::new(&mut f).poll(&mut cx), Poll::Ready(Some(head)));
+        assert_eq!(HEAD.take(), None);
     }
 }
