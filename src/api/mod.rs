@@ -3,7 +3,8 @@
 //!
 //! Routing is one catch-all filter and a `match` on method and path rather than a tree of warp filters:
 //! every failure, including unknown routes and wrong methods, must render the same JSON error body, and
-//! a flat match makes that (and the cost of routing) obvious.
+//! a flat match makes that (and the cost of routing) obvious. [`service`] is what hyper serves: the
+//! routes behind the headers they read, taken from the request beforehand.
 
 pub mod admit;
 pub mod body;
@@ -70,7 +71,7 @@ thread_local! {
     static HEAD: Cell<Option<body::Head>> = const { Cell::new(None) };
 }
 
-/// The API as hyper serves it: warp's service for [`routes`], with two differences that matter for
+/// The API as hyper serves it: warp's service for `routes`, with two differences that matter for
 /// speed.
 ///
 /// - The headers the API reads ([`body::Head`]) are taken from the request before warp sees it.
@@ -129,7 +130,7 @@ where
 }
 
 /// A request's future, in a box of its own, and the headers its routes read: while they have not
-/// taken them, they find them in [`HEAD`] whenever the future is polled. (tokio's task-local
+/// taken them, they find them in `HEAD` whenever the future is polled. (tokio's task-local
 /// future would do the same, but holds the future inline, which moved the kilobyte of warp's
 /// future once more per request.)
 pub struct WithHead<F> {
