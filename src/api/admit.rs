@@ -514,7 +514,7 @@ fn answer(
     traced: bool,
 ) -> (Response, DecisionEvent) {
     let tightest = d.tightest();
-    // For spans only (without them the header is not even looked up; see `body::head`).
+    // For spans only (without them the header is not even looked up; see `body::Head::read`).
     let mut span = traced.then(|| {
         Box::new(SpanFields {
             traceparent,

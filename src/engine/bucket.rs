@@ -67,9 +67,10 @@ impl Gcra {
 
     /// The nanoseconds `cost` tokens take to refill, rounded down: what a bucket records as spent is
     /// then never more than its calls spent, so a bucket never counts one whole token fewer than it
-    /// holds (rounded to the nearest, three calls of cost 1 at a refill of 666 666 666.7 ns each
-    /// recorded 1 ns too many, and 17 tokens showed as 16), and the whole tokens it shows are
-    /// exactly what it would admit.
+    /// holds, and the whole tokens it shows are exactly what it would admit. (Rounded to the
+    /// nearest, three calls of cost 1 at a refill of 666 666 666.7 ns each recorded 1 ns too many,
+    /// and counting whole tokens needed a tolerance of a millionth of a token, which also hid real
+    /// spending that small.)
     pub fn increment(&self, cost: f64) -> u64 {
         // Truncation is `floor` for a positive number (and 0 for anything else).
         (cost * self.t).min(u64::MAX as f64 / 4.0) as u64
