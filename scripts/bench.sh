@@ -17,7 +17,8 @@
 # on with OTLP export to CLOSED_PORT [9], where nothing may listen / on with OTLP export to a collector
 # that answers (a second floor process on the client core, COLLECTOR_PORT [19473]): on the default
 # span limit (max_spans_per_second = 1000), every span (no limit) and SAMPLE_RATIO [0.1] of them (no
-# limit) (0 rounds skips them); MAX_STEAL_MS [25 per second of DURATION] and STEAL_RETRIES [2]: a run
+# limit), and with every tool spending a per-tenant upstream (AIMD and adaptive throttling on), which
+# is read against "on" (0 rounds skips them all); MAX_STEAL_MS [25 per second of DURATION] and STEAL_RETRIES [2]: a run
 # (or, for the floor-and-admitd pairs, either run of the pair) that lost more than MAX_STEAL_MS of CPU
 # time to the host (the `steal` of /proc/stat, both cores) measured the host rather than the server, so
 # it is measured again, up to STEAL_RETRIES times, and the attempt that lost the least is kept; the
@@ -100,6 +101,11 @@ generous_tenant_and_global=$(sed -n '/^\[limits.tenant\]/,$p' benches/throughput
 { cat "$work/throughput.toml"; printf '\n[telemetry.otlp]\nendpoint = "http://127.0.0.1:%s/v1/traces"\n' "$COLLECTOR_PORT"; } >"$work/telemetry-live.toml"
 { cat "$work/telemetry-live.toml"; printf 'max_spans_per_second = 0\n'; } >"$work/telemetry-every.toml"
 { cat "$work/telemetry-every.toml"; printf 'sample_ratio = %s\n' "$SAMPLE_RATIO"; } >"$work/telemetry-sampled.toml"
+# Every tool (the load generator's tool0..tool7) spending a per-tenant upstream whose budget is as
+# generous as the limits, with AIMD and the adaptive throttle on (their defaults): what upstream
+# awareness adds to an admission and its release, against the same limits without it ("on").
+{ cat "$work/throughput.toml"; printf '\n[upstreams.api]\nrate = "10000000/s"\nburst = 10000000\n'
+  for t in $(seq 0 7); do printf '\n[tools.tool%s]\nupstream = "api"\n' "$t"; done; } >"$work/upstream.toml"
 
 # A subject bucket that refills one token per hour, so a subject that made one call keeps state for an
 # hour (a full bucket is resting state and may be dropped); tenants stay alive as long.
@@ -236,12 +242,13 @@ if ((have_admitd)); then
 fi
 stop "$floor_pid"
 
-# ---- what telemetry costs -------------------------------------------------------------------------
+# ---- what telemetry and upstream awareness cost ---------------------------------------------------
 
 # Admit + release pairs at c=64 (so that every admitted call's span ends and is exported, as in
 # production, where tools finish) against admitd with telemetry off, on, on with OTLP export to a
 # closed port, and on with
-# OTLP export to a collector that answers (default span limit; every span; SAMPLE_RATIO of them). The variants alternate
+# OTLP export to a collector that answers (default span limit; every span; SAMPLE_RATIO of them), and
+# with telemetry on and every tool spending a per-tenant upstream (read against "on"). The variants alternate
 # for TELEMETRY_ROUNDS rounds, each round starting with the next one, so that the machine's drift hits
 # them alike. The collector runs on the client core: its work is not admitd's.
 spans_line=""
@@ -256,7 +263,7 @@ if ((have_admitd)) && ((TELEMETRY_ROUNDS > 0)); then
         load "telemetry $variant #$round" "$PORT" "$admitd_pid" --connections 64 --mode admit-release \
             >"$work/telemetry.json"
     }
-    variants=(off on otlp live every sampled)
+    variants=(off on otlp live every sampled upstream)
     n=${#variants[@]}
     for round in $(seq "$TELEMETRY_ROUNDS"); do
         for i in $(seq 0 $((n - 1))); do
@@ -268,6 +275,7 @@ if ((have_admitd)) && ((TELEMETRY_ROUNDS > 0)); then
                 live) cfg=$work/telemetry-live.toml ;;
                 every) cfg=$work/telemetry-every.toml ;;
                 sampled) cfg=$work/telemetry-sampled.toml ;;
+                upstream) cfg=$work/upstream.toml ;;
             esac
             if start_admitd "$PORT" "$cfg"; then
                 received() { curl -s --max-time 5 "http://127.0.0.1:$COLLECTOR_PORT/v1/traces/received" || echo '{}'; }
@@ -374,6 +382,13 @@ fi
         | ["on", "otlp", "live", "every", "sampled"][] as $v | (stats($v)) as $s
         | select($off != null and $s != null)
         | "telemetry \($names[$v]) / off throughput: best \(($s.best / $off.best * 100 | round) / 100), median \(($s.median / $off.median * 100 | round) / 100)"' "$OUT/results.jsonl"
+    jq -rs '
+        def med(v; f): [.[] | select(.label | startswith("telemetry " + v + " #")) | f] | sort
+            | select(length > 0) | .[(length / 2 | floor)];
+        (med("on"; .rps)) as $on | (med("upstream"; .rps)) as $up
+        | (med("on"; .server_cpu_us_per_req)) as $con | (med("upstream"; .server_cpu_us_per_req)) as $cup
+        | select($on != null and $up != null)
+        | "upstream-aware (every tool spends a per-tenant upstream, AIMD and adaptive throttling on) / on: throughput median \(($up / $on * 100 | round) / 100), CPU per request median \($cup) / \($con) us = \(if $cup >= $con then "+" else "" end)\((($cup / $con - 1) * 1000 | round) / 10)%"' "$OUT/results.jsonl"
     [[ -n $spans_line ]] && printf '%s' "$spans_line"
     echo "$rss_line"
 } | tee "$OUT/results.md"
