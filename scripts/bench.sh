@@ -18,7 +18,8 @@
 # that answers (a second floor process on the client core, COLLECTOR_PORT [19473]): on the default
 # span limit (max_spans_per_second = 1000), every span (no limit) and SAMPLE_RATIO [0.1] of them (no
 # limit), and with every tool spending a per-tenant upstream (AIMD and adaptive throttling on), which
-# is read against "on" (0 rounds skips them all); MAX_STEAL_MS [25 per second of DURATION] and STEAL_RETRIES [2]: a run
+# is read against "on" (0 rounds skips them all); MAX_STEAL_MS [25 per second of DURATION] and
+# STEAL_RETRIES [2]: a run
 # (or, for the floor-and-admitd pairs, either run of the pair) that lost more than MAX_STEAL_MS of CPU
 # time to the host (the `steal` of /proc/stat, both cores) measured the host rather than the server, so
 # it is measured again, up to STEAL_RETRIES times, and the attempt that lost the least is kept; the
@@ -372,23 +373,20 @@ fi
         ["floor", "admitd"][] as $s | (p99s($s)) as $p | select(($p | length) > 0)
         | "open-loop p99, \($s): median \($p[($p | length / 2 | floor)]) us over \($p | length) runs (\($p | map(tostring) | join(", ")))"' "$OUT/results.jsonl"
     jq -rs '
-        def stats(v): [.[] | select(.label | startswith("telemetry " + v + " #")) | .rps] | sort
+        def stats(v; f): [.[] | select(.label | startswith("telemetry " + v + " #")) | f] | sort
             | select(length > 0) | {best: .[-1], median: .[(length / 2 | floor)]};
-        (stats("off")) as $off
-        | {on: "on", otlp: "on + OTLP to a closed port",
-           live: "on + OTLP to a collector (default max_spans_per_second)",
-           every: "on + OTLP to a collector, every span (max_spans_per_second = 0)",
-           sampled: "on + OTLP to a collector, sample_ratio '"$SAMPLE_RATIO"', no span limit"} as $names
-        | ["on", "otlp", "live", "every", "sampled"][] as $v | (stats($v)) as $s
-        | select($off != null and $s != null)
-        | "telemetry \($names[$v]) / off throughput: best \(($s.best / $off.best * 100 | round) / 100), median \(($s.median / $off.median * 100 | round) / 100)"' "$OUT/results.jsonl"
-    jq -rs '
-        def med(v; f): [.[] | select(.label | startswith("telemetry " + v + " #")) | f] | sort
-            | select(length > 0) | .[(length / 2 | floor)];
-        (med("on"; .rps)) as $on | (med("upstream"; .rps)) as $up
-        | (med("on"; .server_cpu_us_per_req)) as $con | (med("upstream"; .server_cpu_us_per_req)) as $cup
-        | select($on != null and $up != null)
-        | "upstream-aware (every tool spends a per-tenant upstream, AIMD and adaptive throttling on) / on: throughput median \(($up / $on * 100 | round) / 100), CPU per request median \($cup) / \($con) us = \(if $cup >= $con then "+" else "" end)\((($cup / $con - 1) * 1000 | round) / 10)%"' "$OUT/results.jsonl"
+        def ratio(a; b): (a / b * 100 | round) / 100;
+        ((stats("off"; .rps)) as $off
+         | {on: "on", otlp: "on + OTLP to a closed port",
+            live: "on + OTLP to a collector (default max_spans_per_second)",
+            every: "on + OTLP to a collector, every span (max_spans_per_second = 0)",
+            sampled: "on + OTLP to a collector, sample_ratio '"$SAMPLE_RATIO"', no span limit"} as $names
+         | ["on", "otlp", "live", "every", "sampled"][] as $v | (stats($v; .rps)) as $s
+         | "telemetry \($names[$v]) / off throughput: best \(ratio($s.best; $off.best)), median \(ratio($s.median; $off.median))"),
+        ((stats("on"; .rps)) as $on | (stats("upstream"; .rps)) as $up
+         | (stats("on"; .server_cpu_us_per_req).median) as $con
+         | (stats("upstream"; .server_cpu_us_per_req).median) as $cup
+         | "upstream-aware (every tool spends a per-tenant upstream, AIMD and adaptive throttling on) / on: throughput median \(ratio($up.median; $on.median)), CPU per request median \($cup) / \($con) us = \(if $cup >= $con then "+" else "" end)\((($cup / $con - 1) * 1000 | round) / 10)%")' "$OUT/results.jsonl"
     [[ -n $spans_line ]] && printf '%s' "$spans_line"
     echo "$rss_line"
 } | tee "$OUT/results.md"
