@@ -1200,21 +1200,24 @@ impl TenantEngine {
         }
     }
 
+    /// The refusal of a call whose cost is more than some layer or daily quota can ever hold. Its
+    /// text names the largest cost that fits every one of them, not the first one the call
+    /// overflows: a model told "the limit is 100" that retries with 99 must not be refused again by
+    /// a burst of 30.
     fn oversized(&self, r: &Resolved, plan: &[LayerPlan]) -> Option<Shed> {
         let limits = &self.policy.limits;
-        let mut limit = plan
-            .iter()
-            .find(|lp| lp.g.oversized(r.cost * lp.units))
-            .map(|lp| lp.g.burst / lp.units);
-        for q in [limits.subject.daily_quota, limits.tenant.daily_quota]
-            .into_iter()
-            .flatten()
-        {
-            if r.cost > q && limit.is_none() {
-                limit = Some(q);
-            }
+        let quotas = [limits.subject.daily_quota, limits.tenant.daily_quota];
+        let quotas = quotas.into_iter().flatten();
+        let too_large = plan.iter().any(|lp| lp.g.oversized(r.cost * lp.units))
+            || quotas.clone().any(|q| r.cost > q);
+        if !too_large {
+            return None;
         }
-        let limit = limit?;
+        let limit = plan
+            .iter()
+            .map(|lp| lp.g.burst / lp.units)
+            .chain(quotas)
+            .fold(f64::INFINITY, f64::min);
         let cx = self.refusal_cx(r, r.upstream.as_deref(), limit);
         Some(Shed {
             scope: Scope::Oversized,

@@ -610,6 +610,35 @@ fn cost_larger_than_a_daily_quota_is_oversized() {
     assert_oversized(&rig.decide(&mut e, &call("a", "search").cost(31.0)), "30");
 }
 
+/// The limit an oversized refusal names is the largest cost that fits every layer and quota the call
+/// passes, whichever layer it overflowed first; a call of that cost is then admitted.
+#[test]
+fn an_oversized_refusal_names_the_smallest_limit_on_the_path() {
+    let rig = Rig::new(
+        "[limits.subject]\nrate = \"100/min\"\nburst = 100\n[limits.tenant]\nrate = \"30/min\"\nburst = 30\n",
+    );
+    let mut e = rig.engine("acme");
+    // Over the subject bucket (checked first) and the tenant's: the tenant's 30 is named.
+    assert_oversized(&rig.decide(&mut e, &call("a", "search").cost(150.0)), "30");
+    // Within the subject's burst, over the tenant's.
+    assert_oversized(&rig.decide(&mut e, &call("a", "search").cost(99.0)), "30");
+    admitted_now(&rig.decide(&mut e, &call("a", "search").cost(30.0)));
+
+    // A daily quota smaller than every burst is the limit, whatever overflowed.
+    let rig = Rig::new(
+        "[limits.subject]\nburst = 100\ndaily_quota = 40\n[limits.tenant]\nburst = 50\n",
+    );
+    let mut e = rig.engine("acme");
+    assert_oversized(&rig.decide(&mut e, &call("a", "search").cost(60.0)), "40");
+    // A tool bucket smaller than the quota is the limit when the quota is what overflowed.
+    let rig = Rig::new(
+        "[limits.subject]\nburst = 100\ndaily_quota = 40\n[tools.bulk]\nrate = \"1/s\"\nburst = 5\n",
+    );
+    let mut e = rig.engine("acme");
+    assert_oversized(&rig.decide(&mut e, &call("a", "bulk").cost(45.0)), "5");
+    admitted_now(&rig.decide(&mut e, &call("a", "bulk").cost(5.0)));
+}
+
 // ---- 2. refunds -------------------------------------------------------------------------------------
 
 #[test]

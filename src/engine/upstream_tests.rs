@@ -784,13 +784,14 @@ fn a_429_released_on_an_amplified_call_penalises_every_upstream_it_spent() {
 fn an_amplified_call_larger_than_an_upstream_burst_is_oversized() {
     let sim = Sim::new(&amp_cfg());
     let mut e = sim.engine("acme");
-    // 6 × 200 = 1200 > crm's burst of 1000: the limit is 1000 / 200 = 5 cost units
+    // 6 × 200 = 1200 > crm's burst of 1000 (1000 / 200 = 5 cost units), and 6 > erp's burst of 2:
+    // the limit named is the one every upstream admits, 2
     let s = shed(&sim.decide(&mut e, &call("agent", "sync_customers").cost(6.0))).clone();
     assert_eq!(s.scope, Scope::Oversized);
     assert!(!s.retryable);
     assert_eq!(s.retry_after_ms, 0);
     assert!(
-        s.message.contains("it costs 6 units; the limit is 5"),
+        s.message.contains("it costs 6 units; the limit is 2"),
         "{}",
         s.message
     );
@@ -802,7 +803,7 @@ fn an_amplified_call_larger_than_an_upstream_burst_is_oversized() {
         "{}",
         s.message
     );
-    // 5 × 200 = 1000 exactly fits; nothing was spent by the oversized calls
+    // 2 fits both; nothing was spent by the oversized calls
     assert_eq!(sim.tokens(&e, "subject", "agent"), None);
     admitted_now(&sim.decide(&mut e, &call("agent", "sync_customers").cost(2.0)));
     assert_eq!(sim.tokens(&e, "tenant_upstream", "crm"), Some(600));
