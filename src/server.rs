@@ -25,7 +25,9 @@ use crate::telemetry;
 /// Accepts connections on `listener` and serves the API on each until `stop` completes, then lets the
 /// open connections finish the request in hand and close.
 ///
-/// This is what `warp::serve` does, with one difference that matters for speed: every connection is
+/// This is what `warp::serve` does, with two differences. Each socket is wrapped in
+/// [`api::unparsed::JsonErrors`], so that hyper's own answers to requests it cannot parse carry the
+/// API's JSON error body like every other error. And, for speed, every connection is
 /// a task of this arbiter's `LocalSet` (`spawn_local`), like the tenant actors, instead of a task of
 /// the runtime underneath (`tokio::spawn`). A request that goes from its connection to its tenant
 /// actor and back then runs within one pass of the same queue. With the connection in the runtime's
@@ -63,7 +65,10 @@ async fn serve_http(
         let service = service.clone();
         let connection = graceful.watch(
             builder
-                .serve_connection_with_upgrades(TokioIo::new(io), service)
+                .serve_connection_with_upgrades(
+                    TokioIo::new(api::unparsed::JsonErrors::new(io)),
+                    service,
+                )
                 .into_owned(),
         );
         tokio::task::spawn_local(async move {

@@ -954,3 +954,55 @@ fn names_written_with_json_escapes_are_the_same_names() {
     let lease = escaped.body["lease_id"].as_str().unwrap();
     assert_eq!(d.release(lease).status, 200);
 }
+
+/// Sends `request` on a fresh connection and reads until the daemon closes it.
+fn raw_exchange(d: &Daemon, request: &[u8]) -> String {
+    let mut s = TcpStream::connect(&d.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(request).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Requests the HTTP server cannot parse never reach the routes, but their answers still carry the
+/// contract's error body, and the daemon serves on.
+#[test]
+fn unparsable_requests_get_the_json_error_body_too() {
+    let d = Daemon::start_default();
+    let many_headers: String = (0..120).map(|i| format!("X-H{i}: 1\r\n")).collect();
+    let cases: Vec<(Vec<u8>, &str, &str)> = vec![
+        (
+            b"POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: abc\r\n\r\n{}".to_vec(),
+            "400",
+            "invalid_request",
+        ),
+        (
+            b"POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5\r\nContent-Length: 40\r\n\r\n{}".to_vec(),
+            "400",
+            "invalid_request",
+        ),
+        (b"GARBAGE\r\n\r\n".to_vec(), "400", "invalid_request"),
+        (
+            format!("GET /healthz HTTP/1.1\r\nHost: x\r\n{many_headers}\r\n").into_bytes(),
+            "431",
+            "headers_too_large",
+        ),
+    ];
+    for (request, status, code) in cases {
+        let answer = raw_exchange(&d, &request);
+        let (head, body) = answer.split_once("\r\n\r\n").expect(&answer);
+        assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{answer}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{answer}"
+        );
+        let body: Value = serde_json::from_str(body).expect(&answer);
+        assert_eq!(body["error"], code, "{answer}");
+        assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert_eq!(body.as_object().unwrap().len(), 2, "{answer}");
+    }
+    assert_eq!(d.get("/healthz").status, 200);
+    assert_eq!(d.admit(call("t", "s", "x")).status, 200);
+}

@@ -10,6 +10,7 @@ pub mod admit;
 pub mod body;
 pub mod error;
 pub mod lease;
+pub mod unparsed;
 
 use std::borrow::Cow;
 use std::cell::Cell;

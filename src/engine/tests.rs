@@ -625,9 +625,8 @@ fn an_oversized_refusal_names_the_smallest_limit_on_the_path() {
     admitted_now(&rig.decide(&mut e, &call("a", "search").cost(30.0)));
 
     // A daily quota smaller than every burst is the limit, whatever overflowed.
-    let rig = Rig::new(
-        "[limits.subject]\nburst = 100\ndaily_quota = 40\n[limits.tenant]\nburst = 50\n",
-    );
+    let rig =
+        Rig::new("[limits.subject]\nburst = 100\ndaily_quota = 40\n[limits.tenant]\nburst = 50\n");
     let mut e = rig.engine("acme");
     assert_oversized(&rig.decide(&mut e, &call("a", "search").cost(60.0)), "40");
     // A tool bucket smaller than the quota is the limit when the quota is what overflowed.
