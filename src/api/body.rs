@@ -120,7 +120,12 @@ pub fn check_headers(head: &Head) -> Result<(), ApiError> {
         // What clients send nearly always, checked without parsing.
         Header::Present(ContentType::Json) => {}
         Header::Present(ContentType::Other(ct)) => check_content_type(ct)?,
-        Header::Absent | Header::Unreadable => check_content_type("")?,
+        Header::Absent => check_content_type("")?,
+        Header::Unreadable => {
+            return Err(ApiError::invalid(
+                "the body must be JSON with Content-Type: application/json (got a value that is not visible ASCII)",
+            ))
+        }
     }
     match head.content_length {
         Header::Present(n) if n > MAX_BODY as u64 => Err(too_large()),
@@ -289,6 +294,13 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(
+            e.message
+                .contains("(got a value that is not visible ASCII)"),
+            "{}",
+            e.message
+        );
+        let e = check_headers(&headers(None, None)).unwrap_err();
         assert!(e.message.contains("(got none)"), "{}", e.message);
         let e = check_headers(&Head {
             content_length: Header::Unreadable,
