@@ -1327,9 +1327,10 @@ impl Validator<'_> {
                 }
                 None => None,
             };
+            // `service_name` alone is accepted: the contract gives its default, and a file that
+            // writes the defaults out (export off, no endpoint) must stay valid.
             if endpoint.is_none() {
                 let set = earliest([
-                    ("service_name", o.service_name.as_ref().map(|v| v.span())),
                     ("sample_ratio", o.sample_ratio.as_ref().map(|v| v.span())),
                     (
                         "max_spans_per_second",
@@ -1932,11 +1933,14 @@ min_calls = 100
             e.starts_with("cfg.toml:2: [telemetry.otlp] has no endpoint"),
             "{e}"
         );
-        let e = err("[telemetry.otlp]\nservice_name = \"x\"\n");
-        assert!(
-            e.starts_with("cfg.toml:2: [telemetry.otlp] has no endpoint"),
-            "{e}"
-        );
+        // The contract's defaults written out, endpoint (an example there) left out: valid, and
+        // nothing is exported.
+        let c = Config::parse(
+            "cfg.toml",
+            "[telemetry]\nmax_subjects_per_tenant = 1000\n[telemetry.otlp]\nservice_name = \"admitd\"\n[alerts]\nshed_ratio = 0.5\n",
+        )
+        .unwrap();
+        assert!(c.telemetry.otlp.is_none(), "no endpoint, no export");
         let e = err("[tools.x]\ncost = 0\n");
         assert!(
             e.starts_with(
