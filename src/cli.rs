@@ -60,6 +60,9 @@ pub fn main() -> ExitCode {
                     c.upstreams.len(),
                     c.server.mode.as_str()
                 );
+                for finding in crate::engine::lint::never_fitting_tools(&std::sync::Arc::new(c)) {
+                    eprintln!("{}: {}", config.display(), finding.warning());
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {

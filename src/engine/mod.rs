@@ -6,6 +6,7 @@
 pub mod adaptive;
 pub mod bucket;
 pub mod leases;
+pub mod lint;
 pub mod refusal;
 pub mod retry_after;
 pub mod rng;

@@ -193,7 +193,7 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
 
 /// A number as a person writes it: whole numbers without decimals, fractions with two, and numbers
 /// too large to read digit by digit in scientific notation.
-fn trim_number(x: f64) -> String {
+pub(crate) fn trim_number(x: f64) -> String {
     if x.abs() >= 1e15 {
         format!("{x:e}")
     } else if x.fract() == 0.0 {

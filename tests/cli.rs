@@ -1,0 +1,56 @@
+//! `admitd check`, run as an operator would: its verdicts, exit codes and warnings.
+
+use std::process::Command;
+
+fn check(toml: &str) -> (i32, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("admitd.toml");
+    std::fs::write(&path, toml).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_admitd"))
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).replace(path.to_str().unwrap(), "admitd.toml");
+    (
+        out.status.code().unwrap_or(-1),
+        text(&out.stdout),
+        text(&out.stderr),
+    )
+}
+
+#[test]
+fn a_good_file_is_ok_and_a_bad_one_names_its_file_and_line() {
+    let (code, out, err) = check("[limits.subject]\nrate = \"120/min\"\nburst = 20\n");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("admitd.toml: ok ("), "{out}");
+    assert_eq!(err, "");
+
+    let (code, _, err) = check("[limits.subject]\nburst = 20\nrate = \"5/mins\"\n");
+    assert_eq!(code, 1);
+    assert!(err.starts_with("admitd.toml:3: "), "{err}");
+}
+
+/// The wire contract's example tool costs 20 with a tool bucket of 5: the file is valid, but every
+/// call to the tool would be refused as oversized, and `check` says so without failing.
+#[test]
+fn a_tool_that_can_never_fit_is_a_warning() {
+    let (code, out, err) = check(
+        "[plans.free.subject]\nrate = \"30/min\"\nburst = 5\n[tenants.globex]\nplan = \"free\"\n\
+         [tools.get_sales]\ncost = 20\nupstream = \"warehouse\"\nrate = \"5/min\"\nburst = 5\n\
+         [tools.search]\ncost = 8\n\
+         [upstreams.warehouse]\nrate = \"20/s\"\nburst = 20\nshared = false\n",
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("admitd.toml: ok ("), "{out}");
+    let warnings: Vec<&str> = err.lines().collect();
+    assert_eq!(
+        warnings,
+        [
+            "admitd.toml: warning: tools.get_sales costs 20, more than the 5 a bucket or quota on its path can hold: every call to it is refused as oversized for tenants on the default limits",
+            "admitd.toml: warning: tools.get_sales costs 20, more than the 5 a bucket or quota on its path can hold: every call to it is refused as oversized for tenants on plan \"free\"",
+            "admitd.toml: warning: tools.search costs 8, more than the 5 a bucket or quota on its path can hold: every call to it is refused as oversized for tenants on plan \"free\"",
+        ],
+        "{err}"
+    );
+}
