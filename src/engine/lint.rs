@@ -4,15 +4,16 @@
 //! refused as `oversized` on every call, for every tenant on those limits: a config error that no
 //! key on its own reveals (the cost sits in `[tools.*]`, the burst it overflows in `[limits.*]`, a
 //! plan or an upstream). `admitd check` reports it as a warning. Rather than repeat the engine's
-//! layer rules here, each tool's call is decided by a fresh engine, one for the default limits and
-//! one for a tenant of each plan in use, and the refusals it gives as `oversized` are the findings.
+//! layer rules here, each tool's call is put to the engine's own oversized check
+//! ([`TenantEngine::never_fits`]), for the default limits and for a tenant of each plan in use.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use compact_str::CompactString;
 
-use super::{AdmitRequest, AdmitResult, Scope, SharedBudgets, TenantEngine, Verdict};
+use super::refusal::trim_number;
+use super::{AdmitRequest, SharedBudgets, TenantEngine};
 use crate::config::Config;
 
 /// One tool that can never be admitted with its configured cost.
@@ -22,8 +23,8 @@ pub struct NeverFits {
     /// The plan of the tenants it fails for; `None` for tenants on the default limits.
     pub plan: Option<String>,
     pub cost: f64,
-    /// The engine's refusal text, which names the limit.
-    pub message: String,
+    /// The largest cost every bucket and quota on its path holds (what its refusal names).
+    pub limit: f64,
 }
 
 /// The tools whose configured cost never fits, by tool and plan.
@@ -41,15 +42,13 @@ pub fn never_fitting_tools(cfg: &Arc<Config>) -> Vec<NeverFits> {
     let mut stand_ins: Vec<(Option<&str>, &str)> = vec![(None, unplanned_name(cfg))];
     stand_ins.extend(plans.into_iter().map(|(p, t)| (Some(p), t)));
 
-    let mut tools: Vec<_> = cfg.tools.iter().collect();
-    tools.sort_by(|a, b| a.0.cmp(b.0));
+    let mut tools: Vec<_> = cfg.tools.keys().collect();
+    tools.sort();
+    let shared = Arc::new(SharedBudgets::new(cfg));
     let mut found = Vec::new();
     for (plan, tenant) in stand_ins {
-        for (tool, _) in &tools {
-            // A fresh engine each time: every bucket full, nothing spent, so only a cost that can
-            // never fit is refused.
-            let shared = Arc::new(SharedBudgets::new(cfg));
-            let mut engine = TenantEngine::new(Arc::from(tenant), cfg.clone(), shared, 1);
+        let mut engine = TenantEngine::new(Arc::from(tenant), cfg.clone(), shared.clone(), 1);
+        for tool in &tools {
             let req = AdmitRequest {
                 subject: CompactString::const_new("check"),
                 tool: CompactString::from(tool.as_str()),
@@ -57,21 +56,12 @@ pub fn never_fitting_tools(cfg: &Arc<Config>) -> Vec<NeverFits> {
                 cost: None,
                 max_wait_ns: 0,
             };
-            // One second into the monotonic clock, at noon UTC of a fixed day.
-            let AdmitResult::Decided(d) = engine.admit(&req, 1_000_000_000, 1_792_584_000_000)
-            else {
-                continue;
-            };
-            let shed = match d.verdict {
-                Verdict::Shed(s) => Some(s),
-                Verdict::Admitted(a) => a.would_shed,
-            };
-            if let Some(s) = shed.filter(|s| s.scope == Scope::Oversized) {
+            if let Some((cost, limit)) = engine.never_fits(&req) {
                 found.push(NeverFits {
                     tool: tool.to_string(),
                     plan: plan.map(str::to_string),
-                    cost: d.resolved.cost,
-                    message: s.message,
+                    cost,
+                    limit,
                 });
             }
         }
@@ -86,18 +76,12 @@ impl NeverFits {
             Some(p) => format!("for tenants on plan \"{p}\""),
             None => "for tenants on the default limits".to_string(),
         };
-        // The refusal names the limit in its parenthesis: "(it costs 20 units; the limit is 5)".
-        let limit = self
-            .message
-            .split_once("; the limit is ")
-            .and_then(|(_, rest)| rest.split_once(')'))
-            .map_or(String::new(), |(l, _)| {
-                format!(", more than the {l} a bucket or quota on its path can hold")
-            });
         format!(
-            "warning: tools.{} costs {}{limit}: every call to it is refused as oversized {whom}",
+            "warning: tools.{} costs {}, more than the {} a bucket or quota on its path can hold: \
+             every call to it is refused as oversized {whom}",
             self.tool,
-            super::refusal::trim_number(self.cost)
+            trim_number(self.cost),
+            trim_number(self.limit)
         )
     }
 }
@@ -129,11 +113,7 @@ mod tests {
         assert_eq!(found[0].tool, "get_sales");
         assert_eq!(found[0].plan, None);
         assert_eq!(found[0].cost, 20.0);
-        assert!(
-            found[0].message.contains("the limit is 5"),
-            "{}",
-            found[0].message
-        );
+        assert_eq!(found[0].limit, 5.0);
         assert_eq!(
             found[0].warning(),
             "warning: tools.get_sales costs 20, more than the 5 a bucket or quota on its path can hold: \
@@ -150,14 +130,11 @@ mod tests {
         let found = lint(toml);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].plan.as_deref(), Some("free"));
-        assert!(
-            found[0].message.contains("the limit is 5"),
-            "{}",
-            found[0].message
-        );
+        assert_eq!(found[0].limit, 5.0);
         // A daily quota on the path counts as well.
         let found = lint("[limits.subject]\ndaily_quota = 10\n[tools.bulk]\ncost = 11\n");
         assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!((found[0].cost, found[0].limit), (11.0, 10.0));
     }
 
     #[test]

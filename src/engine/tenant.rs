@@ -1205,19 +1205,7 @@ impl TenantEngine {
     /// overflows: a model told "the limit is 100" that retries with 99 must not be refused again by
     /// a burst of 30.
     fn oversized(&self, r: &Resolved, plan: &[LayerPlan]) -> Option<Shed> {
-        let limits = &self.policy.limits;
-        let quotas = [limits.subject.daily_quota, limits.tenant.daily_quota];
-        let quotas = quotas.into_iter().flatten();
-        let too_large = plan.iter().any(|lp| lp.g.oversized(r.cost * lp.units))
-            || quotas.clone().any(|q| r.cost > q);
-        if !too_large {
-            return None;
-        }
-        let limit = plan
-            .iter()
-            .map(|lp| lp.g.burst / lp.units)
-            .chain(quotas)
-            .fold(f64::INFINITY, f64::min);
+        let limit = self.oversized_limit(r, plan)?;
         let cx = self.refusal_cx(r, r.upstream.as_deref(), limit);
         Some(Shed {
             scope: Scope::Oversized,
@@ -1226,6 +1214,33 @@ impl TenantEngine {
             reason: refusal::reason(Scope::Oversized).to_string(),
             message: refusal::message(Scope::Oversized, 0, &cx),
         })
+    }
+
+    /// When the call's cost is more than some layer or quota on its path can ever hold: the largest
+    /// cost that fits them all, which its refusal names.
+    fn oversized_limit(&self, r: &Resolved, plan: &[LayerPlan]) -> Option<f64> {
+        let limits = &self.policy.limits;
+        let quotas = [limits.subject.daily_quota, limits.tenant.daily_quota];
+        let quotas = quotas.into_iter().flatten();
+        let too_large = plan.iter().any(|lp| lp.g.oversized(r.cost * lp.units))
+            || quotas.clone().any(|q| r.cost > q);
+        too_large.then(|| {
+            plan.iter()
+                .map(|lp| lp.g.burst / lp.units)
+                .chain(quotas)
+                .fold(f64::INFINITY, f64::min)
+        })
+    }
+
+    /// For a call that this tenant's config refuses as `oversized` whatever its state: its cost and
+    /// the limit its refusal names (`admitd check`'s warning, see [`super::lint`]). Reads the
+    /// config only; nothing is spent or recorded.
+    pub fn never_fits(&mut self, req: &AdmitRequest) -> Option<(f64, f64)> {
+        let r = self.resolve(req);
+        let cfg = Arc::clone(&self.policy.cfg);
+        let configs = upstream_configs(&cfg, &r);
+        let plan = self.plan_for(&r, &configs);
+        self.oversized_limit(&r, &plan).map(|limit| (r.cost, limit))
     }
 
     fn refusal_cx<'a>(
