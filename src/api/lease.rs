@@ -40,7 +40,7 @@ pub fn decode(id: &str) -> Option<(CompactString, u64)> {
         .map(|i| u8::from_str_radix(&id[i..i + 2], 16).ok())
         .collect();
     let tenant = CompactString::from_utf8(bytes?).ok()?;
-    crate::config::check_name(&tenant).ok()?;
+    super::check_name(&tenant).ok()?;
     Some((tenant, lease))
 }
 

@@ -10,6 +10,7 @@ pub mod admit;
 pub mod body;
 pub mod error;
 pub mod lease;
+pub mod names;
 pub mod unparsed;
 
 use std::borrow::Cow;
@@ -27,11 +28,12 @@ use warp::{Filter, Reply};
 
 use crate::actors::global::{GlobalActor, Reconfigure};
 use crate::actors::{Feedback, Release, Shared, Snapshot};
-use crate::config::{check_name, Config};
+use crate::config::Config;
 use crate::engine::retry_after::parse_retry_after;
 use crate::engine::{Outcome, ReleaseInfo};
 use crate::telemetry::{FeedbackEvent, ReleaseEvent};
 use error::ApiError;
+pub use names::check_name;
 
 /// What the HTTP layer needs from the rest of the daemon.
 pub struct App {
