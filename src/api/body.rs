@@ -4,6 +4,12 @@
 //! `Content-Length`, so neither a lying header nor a chunked upload can make the daemon buffer more.
 //! What is left of an oversized body is read and thrown away (up to 1 MiB, for 1 s at most) before
 //! the 413 goes out, so that a client still sending reads the answer rather than a reset.
+//!
+//! Every answer given before the whole body was read (a wrong content type, an unknown route, a
+//! wrong method, any early 4xx) either reads the rest first or says `Connection: close`
+//! ([`settle`]). hyper otherwise ends such a keep-alive connection after the answer, without saying
+//! so, whenever the body's bytes had not arrived by then, and the client's next request on the
+//! pooled connection fails.
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
@@ -28,16 +34,89 @@ where
     S: Stream<Item = Result<B, warp::Error>> + Unpin,
     B: Buf,
 {
-    let _ = tokio::time::timeout(DRAIN_TIME, async {
+    drain_up_to(stream, DRAIN_LIMIT).await;
+}
+
+/// Reads and discards at most `limit` bytes of what is left, for [`DRAIN_TIME`] at most. True when
+/// the body ended within both bounds.
+async fn drain_up_to<S, B>(stream: &mut S, limit: usize) -> bool
+where
+    S: Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: Buf,
+{
+    let drained = tokio::time::timeout(DRAIN_TIME, async {
         let mut read = 0;
-        while let Some(Ok(chunk)) = stream.next().await {
-            read += chunk.remaining();
-            if read > DRAIN_LIMIT {
-                break;
+        loop {
+            match stream.next().await {
+                None => return true,
+                Some(Ok(chunk)) => {
+                    read += chunk.remaining();
+                    if read > limit {
+                        return false;
+                    }
+                }
+                Some(Err(_)) => return false,
             }
         }
     })
     .await;
+    drained.unwrap_or(false)
+}
+
+/// A request body that remembers whether it was read to its end.
+pub struct Tracked<S> {
+    inner: S,
+    ended: bool,
+}
+
+impl<S> Tracked<S> {
+    pub fn new(inner: S) -> Self {
+        Tracked {
+            inner,
+            ended: false,
+        }
+    }
+}
+
+impl<S: Stream + Unpin> Stream for Tracked<S> {
+    type Item = S::Item;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        if self.ended {
+            return std::task::Poll::Ready(None);
+        }
+        let polled = std::pin::Pin::new(&mut self.inner).poll_next(cx);
+        if let std::task::Poll::Ready(None) = polled {
+            self.ended = true;
+        }
+        polled
+    }
+}
+
+/// Makes `answer`, given before `body` was read to its end, safe for the connection it goes out on:
+/// what is left of the body (at most [`MAX_BODY`] bytes, for [`DRAIN_TIME`] at most) is read and
+/// thrown away, so the next request on a keep-alive connection finds the connection in order; a body
+/// longer or slower than that, or one a 413 already gave up on, closes the connection instead, and
+/// the answer says `Connection: close` so the client does not send its next request on it.
+pub async fn settle<S, B>(body: &mut Tracked<S>, answer: &mut warp::reply::Response)
+where
+    S: Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: Buf,
+{
+    if body.ended {
+        return;
+    }
+    // A 413 has drained as much as it will (see `DRAIN_LIMIT`).
+    if answer.status() != StatusCode::PAYLOAD_TOO_LARGE && drain_up_to(body, MAX_BODY).await {
+        return;
+    }
+    answer.headers_mut().insert(
+        warp::http::header::CONNECTION,
+        HeaderValue::from_static("close"),
+    );
 }
 
 fn too_large() -> ApiError {
@@ -376,6 +455,52 @@ mod tests {
             .await
             .unwrap()
             .is_empty());
+    }
+
+    fn stream_of(
+        sizes: &[usize],
+    ) -> Tracked<futures_util::stream::Iter<std::vec::IntoIter<Result<Bytes, warp::Error>>>> {
+        let chunks: Vec<Result<Bytes, warp::Error>> = sizes
+            .iter()
+            .map(|n| Ok(Bytes::from(vec![b' '; *n])))
+            .collect();
+        Tracked::new(futures_util::stream::iter(chunks))
+    }
+
+    fn answer(status: StatusCode) -> warp::reply::Response {
+        let mut r = warp::reply::Response::new(Vec::new().into());
+        *r.status_mut() = status;
+        r
+    }
+
+    fn says_close(r: &warp::reply::Response) -> bool {
+        r.headers().get(warp::http::header::CONNECTION) == Some(&HeaderValue::from_static("close"))
+    }
+
+    #[tokio::test]
+    async fn an_early_answer_drains_a_short_body_and_closes_on_a_long_one() {
+        // Read to its end by the route: nothing to do.
+        let mut body = stream_of(&[10]);
+        while body.next().await.is_some() {}
+        let mut r = answer(StatusCode::OK);
+        settle(&mut body, &mut r).await;
+        assert!(!says_close(&r));
+        // Unread but short: drained, the connection stays.
+        let mut body = stream_of(&[100, 100]);
+        let mut r = answer(StatusCode::BAD_REQUEST);
+        settle(&mut body, &mut r).await;
+        assert!(!says_close(&r));
+        assert!(body.next().await.is_none());
+        // Longer than the body limit: closed, and said.
+        let mut body = stream_of(&[MAX_BODY, 1]);
+        let mut r = answer(StatusCode::NOT_FOUND);
+        settle(&mut body, &mut r).await;
+        assert!(says_close(&r));
+        // A 413 that left bytes unread is not drained again.
+        let mut body = stream_of(&[1]);
+        let mut r = answer(StatusCode::PAYLOAD_TOO_LARGE);
+        settle(&mut body, &mut r).await;
+        assert!(says_close(&r));
     }
 
     #[test]

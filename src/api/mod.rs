@@ -174,10 +174,14 @@ fn routes(
             move |method: Method, path: warp::path::FullPath, head: body::Head, body| {
                 let app = app.clone();
                 async move {
-                    match dispatch(&app, &method, path.as_str(), head, body).await {
-                        Ok(r) => r,
-                        Err(e) => e.into_response(),
-                    }
+                    let mut body = body::Tracked::new(body);
+                    let mut answer =
+                        match dispatch(&app, &method, path.as_str(), head, &mut body).await {
+                            Ok(r) => r,
+                            Err(e) => e.into_response(),
+                        };
+                    body::settle(&mut body, &mut answer).await;
+                    answer
                 }
             },
         )
