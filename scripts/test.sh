@@ -31,7 +31,7 @@ cargo test --all-features
 echo "== Python client against the daemon built above"
 ADMITD_BIN=target/debug/admitd timeout 300 python3 -W error::ResourceWarning -m unittest discover -s clients/python -p 'test_*.py'
 
-echo "== benchmark helpers (the profile's phase classifier)"
+echo "== script helpers (the profile's phase classifier, the layer check)"
 python3 -m unittest discover -s scripts -p 'test_*.py'
 
 echo "== JavaScript client against the daemon built above"

@@ -11,6 +11,7 @@ pub mod body;
 pub mod error;
 pub mod lease;
 pub mod names;
+pub mod retry_after;
 pub mod unparsed;
 
 use std::borrow::Cow;
@@ -29,11 +30,11 @@ use warp::{Filter, Reply};
 use crate::actors::global::{GlobalActor, Reconfigure};
 use crate::actors::{Feedback, Release, Shared, Snapshot};
 use crate::config::Config;
-use crate::engine::retry_after::parse_retry_after;
 use crate::engine::{Outcome, ReleaseInfo};
 use crate::telemetry::{FeedbackEvent, ReleaseEvent};
 use error::ApiError;
 pub use names::check_name;
+use retry_after::{parse_retry_after, MAX_PENALTY};
 
 /// What the HTTP layer needs from the rest of the daemon.
 pub struct App {
@@ -305,9 +306,7 @@ impl RetryAfterValue {
                 .map(|d| (d, s.clone()))
                 .map_err(ApiError::invalid),
             RetryAfterValue::Seconds(x) if x.is_finite() && *x >= 0.0 => {
-                let d = Duration::from_secs_f64(
-                    x.min(crate::engine::retry_after::MAX_PENALTY.as_secs_f64()),
-                );
+                let d = Duration::from_secs_f64(x.min(MAX_PENALTY.as_secs_f64()));
                 Ok((d, format!("{x}")))
             }
             RetryAfterValue::Seconds(x) => Err(ApiError::invalid(format!(

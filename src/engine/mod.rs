@@ -8,7 +8,6 @@ pub mod bucket;
 pub mod leases;
 pub mod lint;
 pub mod refusal;
-pub mod retry_after;
 pub mod rng;
 pub mod shared;
 pub mod tenant;

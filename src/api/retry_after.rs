@@ -2,7 +2,8 @@
 //!
 //! It is either delay-seconds (a non-negative integer) or an HTTP-date (the IMF-fixdate form, or the two
 //! obsolete forms RFC 9110 still requires recipients to accept). A date is turned into a delay against
-//! the wall clock at the time it is reported; the engine then keeps it on the monotonic clock.
+//! the wall clock at the time it is reported. The engine only ever sees the resulting delay, which it
+//! keeps on the monotonic clock: header syntax and wall-clock dates stop at the API.
 
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -69,6 +70,15 @@ mod tests {
         assert_eq!(
             parse_retry_after("Fri, 31 Dec 9999 23:59:59 GMT", NOW).unwrap(),
             MAX_PENALTY
+        );
+    }
+
+    #[test]
+    fn a_date_is_measured_from_the_wall_clock_to_the_millisecond() {
+        // 250 ms past a whole second, a date 45 s after that second is 44.75 s away.
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2026 07:28:15 GMT", NOW + 250).unwrap(),
+            Duration::from_millis(44_750)
         );
     }
 
