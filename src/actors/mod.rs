@@ -27,8 +27,8 @@ use parking_lot::RwLock;
 
 pub use global::GlobalActor;
 pub use tenant::{
-    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Feedback, Layers, Release, Snapshot,
-    TenantActor, Tick, TICK,
+    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, Feedback, Layers, Release,
+    ReportCalls, Snapshot, TenantActor, Tick, TICK,
 };
 
 use crate::clock::{Clock, Nanos};
@@ -302,6 +302,22 @@ impl Shared {
             Err(MailboxError::Timeout) => Err(AskError::Timeout),
             Err(MailboxError::Closed) => Ok(None),
         }
+    }
+
+    /// Has every running tenant actor report the calls it answered since its last report
+    /// ([`ReportCalls`]); resolves once each has.
+    pub async fn report_calls(&self) {
+        let asked: Vec<_> = self
+            .shards
+            .iter()
+            .flat_map(|s| {
+                s.read()
+                    .iter()
+                    .map(|e| e.addr.send(ReportCalls))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        futures_util::future::join_all(asked).await;
     }
 
     /// Fire-and-forget to a running actor.

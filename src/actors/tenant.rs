@@ -440,6 +440,26 @@ impl Handler<Layers> for TenantActor {
     }
 }
 
+/// Report the calls answered since the last report now rather than at the next tick (a read of
+/// `GET /v1/alerts`, see [`crate::telemetry::Telemetry::refresh_alerts`]).
+#[derive(Message, Clone, Copy)]
+#[rtype(result = "()")]
+pub struct ReportCalls;
+
+impl Handler<ReportCalls> for TenantActor {
+    type Result = ();
+
+    fn handle(&mut self, _: ReportCalls, _: &mut Context<Self>) {
+        let calls = std::mem::take(&mut self.calls);
+        if calls != CallCounts::default() {
+            self.shared.telemetry.tenant_event(TenantEvent::Calls {
+                tenant: self.engine.tenant().clone(),
+                calls,
+            });
+        }
+    }
+}
+
 impl Handler<Snapshot> for TenantActor {
     type Result = Option<TenantSnapshot>;
 

@@ -217,6 +217,8 @@ where
             &serde_json::json!({"ready": true, "store": "memory"}),
         )),
         "/metrics" if get && app.metrics.is_some() => {
+            // Every decision answered before the scrape is in it.
+            Box::pin(app.shared.telemetry.settle()).await;
             let text = app.metrics.as_ref().map(|f| f()).unwrap_or_default();
             let mut r = Response::new(text.into());
             r.headers_mut().insert(
@@ -226,6 +228,8 @@ where
             Ok(r)
         }
         "/v1/alerts" if get && app.alerts.is_some() => {
+            let shared = &app.shared;
+            Box::pin(shared.telemetry.refresh_alerts(shared.report_calls())).await;
             let v = app.alerts.as_ref().map(|f| f()).unwrap_or_default();
             Ok(json(StatusCode::OK, &v))
         }

@@ -11,8 +11,9 @@
 //!
 //! The counts come from the tenant actors, which count the answers they give and report them once a
 //! second with their gauges ([`super::CallCounts`]): the alert actor handles one report per tenant per
-//! second rather than one event per call, and a count is at most a second late, against a window of
-//! minutes.
+//! second rather than one event per call. A count would then be up to a second late for `GET
+//! /v1/alerts`; a read of it has every tenant actor report at once and the rules evaluated again
+//! first ([`super::Telemetry::refresh_alerts`]), so it includes every call answered before it.
 
 use std::collections::VecDeque;
 
@@ -280,14 +281,19 @@ impl AlertActor {
         let now = self.clock.mono();
         for ev in events {
             if let Event::Tenant(t) = ev {
-                if let TenantEvent::Gauges { tenant, calls, .. } = &**t {
+                if let TenantEvent::Gauges { tenant, calls, .. }
+                | TenantEvent::Calls { tenant, calls } = &**t
+                {
                     self.evaluator.record(tenant, *calls, now);
                 }
             }
         }
     }
 
-    fn tick(&mut self) {
+    /// Evaluates the rules and publishes the result (gauges, firing list, log lines and pushes of
+    /// changes). Also run on demand, between ticks: the rules depend on the time a ratio has held,
+    /// not on how often they are evaluated.
+    fn evaluate(&mut self) -> i64 {
         let now = self.clock.mono();
         let wall = self.clock.wall_ms();
         for change in self.evaluator.evaluate(now, wall) {
@@ -320,12 +326,17 @@ impl AlertActor {
             gone.shed_ratio.set(0.0);
         }
         self.exported = seen;
-        let firing = self.evaluator.firing();
+        *self.firing.write() = self.evaluator.firing();
+        wall
+    }
+
+    fn tick(&mut self) {
+        let wall = self.evaluate();
         // Alertmanager forgets alerts that are not re-sent; repeat firing ones every minute.
         self.ticks += 1;
         if self.ticks % 60 == 0 {
             if let Some(url) = &self.alertmanager {
-                for a in &firing {
+                for a in self.firing.read().iter() {
                     let change = AlertChange::Fired {
                         tenant: Arc::from(a.tenant.as_str()),
                         ratio: a.shed_ratio,
@@ -336,7 +347,6 @@ impl AlertActor {
             }
             self.evaluator.prune();
         }
-        *self.firing.write() = firing;
     }
 }
 
@@ -354,6 +364,25 @@ impl Handler<Batch> for AlertActor {
 
     fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
         self.record_batch(&batch.0);
+    }
+}
+
+impl Handler<super::Settle> for AlertActor {
+    type Result = ();
+
+    fn handle(&mut self, _: super::Settle, _: &mut Context<Self>) {}
+}
+
+/// Evaluate the rules now, with every report received so far (a read of `GET /v1/alerts`).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Evaluate;
+
+impl Handler<Evaluate> for AlertActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Evaluate, _: &mut Context<Self>) {
+        self.evaluate();
     }
 }
 

@@ -534,6 +534,8 @@ impl MetricsActor {
                     }
                     self.set_penalties(Arc::from(SHARED_TENANT), shared_penalties.clone());
                 }
+                // For the alerts only.
+                TenantEvent::Calls { .. } => {}
             },
         }
     }
@@ -641,6 +643,13 @@ impl MetricsActor {
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct SetTelemetry(pub TelemetryConfig);
+
+impl Handler<super::Settle> for MetricsActor {
+    type Result = ();
+
+    /// Everything sent before is recorded by now: a scrape may render.
+    fn handle(&mut self, _: super::Settle, _: &mut Context<Self>) {}
+}
 
 impl Handler<SetTelemetry> for MetricsActor {
     type Result = ();

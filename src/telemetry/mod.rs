@@ -7,6 +7,12 @@
 //! dropped (`admitd_telemetry_events_dropped_total`), so admission never waits for telemetry. The
 //! actors ([`metrics::MetricsActor`], [`spans::SpanActor`], [`alerts::AlertActor`]) run on an arbiter of
 //! their own, away from the workers. `[telemetry] enabled = false` starts none of this.
+//!
+//! Reads of what the actors hold (`GET /metrics`, `GET /v1/alerts`) first [`Telemetry::settle`]: every
+//! worker hands over what it collected, and each actor answers once it has handled everything that
+//! reached its mailbox before, so a read includes every decision answered before it began. The
+//! reader waits for that, never an admission: a worker hands its batch over between two requests, as
+//! it does every 10 ms anyway.
 
 pub mod alerts;
 pub mod histogram;
@@ -18,8 +24,10 @@ pub mod spans;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use actix::ArbiterHandle;
 
 use crate::clock::{Clock, Nanos};
 use crate::config::{BucketSpec, Config};
@@ -167,6 +175,9 @@ pub enum TenantEvent {
         /// Calls answered since the previous report, for the shed-ratio alerts.
         calls: CallCounts,
     },
+    /// Calls a tenant actor answered since its previous report, reported on demand (a read of
+    /// `GET /v1/alerts`, see [`Telemetry::refresh_alerts`]) between its reports once a second.
+    Calls { tenant: Arc<str>, calls: CallCounts },
     Global {
         tenants: usize,
         global_utilization: f64,
@@ -214,8 +225,20 @@ const BATCH: usize = 256;
 /// How often a worker hands over what it collected, at least.
 pub const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 
+/// Answered by a telemetry actor once it has handled every batch that reached its mailbox before
+/// this message did (a mailbox is one queue, in the order things were put in).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Settle;
+
+/// How long a read waits for the workers and the telemetry actors to catch up, at most; past it
+/// (a worker stuck for that long, a mailbox that full) it renders what there is.
+pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
+
 struct Sink {
     recipient: Recipient<Batch>,
+    /// For the sinks whose state the HTTP API reads (metrics, alerts).
+    settle: Option<Recipient<Settle>>,
 }
 
 /// The handle the daemon reports through. Cheap to clone.
@@ -228,6 +251,11 @@ pub struct Telemetry {
     /// Decides subjects' metric labels; the tenant actors ask it (none when metrics are off).
     labels: Option<Arc<labels::SubjectLabels>>,
     traces: bool,
+    /// The arbiters whose threads batch events ([`Telemetry::batch_this_thread`]), so that a read
+    /// can make them hand over.
+    batching: Arc<parking_lot::Mutex<Vec<ArbiterHandle>>>,
+    /// When the latest alert refresh began; one runs at a time (see [`Telemetry::refresh_alerts`]).
+    alerts_refreshed: Arc<tokio::sync::Mutex<Option<Instant>>>,
 }
 
 impl Telemetry {
@@ -240,7 +268,10 @@ impl Telemetry {
     #[cfg(test)]
     pub(crate) fn to_recipient(recipient: Recipient<Batch>) -> Self {
         Telemetry {
-            sinks: Arc::new(vec![Sink { recipient }]),
+            sinks: Arc::new(vec![Sink {
+                recipient,
+                settle: None,
+            }]),
             ..Telemetry::default()
         }
     }
@@ -248,10 +279,14 @@ impl Telemetry {
     /// Makes the current thread collect events and hand them over in batches (of up to 256, or
     /// whatever it has when [`Telemetry::flush_this_thread`] runs): a worker answering thousands of
     /// admissions a second then wakes the telemetry thread about a hundred times a second, not once
-    /// per admission and sink. Threads that never call this send each event at once.
+    /// per admission and sink. Threads that never call this send each event at once. On an
+    /// arbiter's thread, [`Telemetry::settle`] makes it hand over on demand too.
     pub fn batch_this_thread(&self) {
         if self.sinks.is_empty() {
             return;
+        }
+        if let Some(arbiter) = Arbiter::try_current() {
+            self.batching.lock().push(arbiter);
         }
         PENDING.with(|p| {
             *p.borrow_mut() = Some(Pending {
@@ -272,6 +307,66 @@ impl Telemetry {
                 p.to.send(events);
             }
         });
+    }
+
+    /// Makes every batching worker hand over what it collected, then waits until the metrics and
+    /// alert actors have handled everything sent to them before: what they show afterwards includes
+    /// every event reported before this was called (except those a full mailbox dropped, which are
+    /// counted). Gives up after [`SETTLE_TIMEOUT`].
+    pub async fn settle(&self) {
+        if self.sinks.is_empty() {
+            return;
+        }
+        let _ = tokio::time::timeout(SETTLE_TIMEOUT, self.settle_now()).await;
+    }
+
+    async fn settle_now(&self) {
+        let threads = self.batching.lock().clone();
+        let mut handed_over = Vec::with_capacity(threads.len());
+        for thread in &threads {
+            let (done, handed) = tokio::sync::oneshot::channel();
+            // Runs between two of that worker's requests, like its periodic flush; an arbiter
+            // that stopped takes nothing.
+            let spawned = thread.spawn(async move {
+                Telemetry::flush_this_thread();
+                let _ = done.send(());
+            });
+            if spawned {
+                handed_over.push(handed);
+            }
+        }
+        for handed in handed_over {
+            let _ = handed.await;
+        }
+        // Each worker put its batch into the mailboxes before it answered above, so these arrive
+        // after them.
+        for settle in self.sinks.iter().filter_map(|s| s.settle.as_ref()) {
+            let _ = settle.send(Settle).await;
+        }
+    }
+
+    /// Brings `GET /v1/alerts` up to date with every call answered before this was called:
+    /// `report_calls` makes the tenant actors report the calls they answered since their last report
+    /// (which they otherwise do once a second), then [`Telemetry::settle`] brings those reports to
+    /// the alert actor, which evaluates its rules again. One refresh runs at a time, and callers
+    /// that waited for a refresh which began after they did take its result: however often the
+    /// route is read, the tenant actors are asked at most once per refresh.
+    pub async fn refresh_alerts(&self, report_calls: impl std::future::Future<Output = ()>) {
+        let Some(alerts) = &self.alerts else {
+            return;
+        };
+        let asked = Instant::now();
+        let mut last = self.alerts_refreshed.lock().await;
+        if last.is_some_and(|began| began >= asked) {
+            return;
+        }
+        *last = Some(Instant::now());
+        let _ = tokio::time::timeout(SETTLE_TIMEOUT, async {
+            report_calls.await;
+            self.settle_now().await;
+            let _ = alerts.send(alerts::Evaluate).await;
+        })
+        .await;
     }
 
     fn send(&self, events: Vec<Event>) {
@@ -433,9 +528,11 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
     let mut sinks = vec![
         Sink {
             recipient: metrics_addr.clone().recipient(),
+            settle: Some(metrics_addr.clone().recipient()),
         },
         Sink {
             recipient: alerts_addr.clone().recipient(),
+            settle: Some(alerts_addr.clone().recipient()),
         },
     ];
     if let (Some(exporter), Some(otlp)) = (&span_exporter, &cfg.telemetry.otlp) {
@@ -443,6 +540,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         let spans_addr = spans::SpanActor::start_in_arbiter(&h, move |_| actor);
         sinks.push(Sink {
             recipient: spans_addr.recipient(),
+            settle: None,
         });
     }
     let telemetry = Telemetry {
@@ -455,6 +553,8 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
             cfg.telemetry.max_subjects_total,
         ))),
         traces: span_exporter.is_some(),
+        batching: Arc::default(),
+        alerts_refreshed: Arc::default(),
     };
     let dropped = telemetry.dropped.clone();
     let render_metrics = Arc::new(move || {
