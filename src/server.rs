@@ -191,13 +191,27 @@ async fn run(config: Config) -> Result<(), String> {
 
     wait_for_signals(&shared, &global).await;
 
-    tracing::info!("shutting down");
+    // Shutdown has to be over within `max_wait` + 1 s: held admissions end by their wait (at most
+    // `max_wait`), the rest of that second is for the answers to go out and the state to be written.
+    let signalled = tokio::time::Instant::now();
+    let max_wait = shared.config.load().server.max_wait;
+    shared.start_stopping();
+    tracing::info!(
+        admitting = api::inflight::admitting(),
+        "shutting down: refusing new admissions, answering the held ones"
+    );
+    // The listeners keep serving meanwhile: releases free capacity for the held calls, and a load
+    // balancer's `/readyz` sees 503 instead of a refused connection.
+    let drained = signalled + max_wait + Duration::from_millis(300);
+    while api::inflight::admitting() > 0 && tokio::time::Instant::now() < drained {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let _ = stop_tx.send(true);
     // Let in-flight answers go out; keep-alive connections are closed by the graceful shutdown.
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        while done_rx.recv().await.is_some() {}
-    })
-    .await;
+    let closed = (signalled + max_wait + Duration::from_millis(600))
+        .max(tokio::time::Instant::now() + Duration::from_millis(100));
+    let _ =
+        tokio::time::timeout_at(closed, async { while done_rx.recv().await.is_some() {} }).await;
     for arbiter in arbiters {
         arbiter.stop();
     }

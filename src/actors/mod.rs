@@ -15,7 +15,7 @@ pub mod tenant;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,6 +86,8 @@ pub struct Shared {
     arbiters: Vec<ArbiterHandle>,
     shards: Vec<RwLock<Table>>,
     next_generation: AtomicU64,
+    /// Set once shutdown starts: new admissions are refused and `/readyz` answers 503.
+    stopping: AtomicBool,
 }
 
 /// Why a tenant actor could not answer.
@@ -123,7 +125,18 @@ impl Shared {
             arbiters,
             shards: (0..SHARDS).map(|_| RwLock::new(Table::new())).collect(),
             next_generation: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
         })
+    }
+
+    /// Whether shutdown has started.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    /// Starts shutdown: from now on admissions are refused and `/readyz` answers 503.
+    pub fn start_stopping(&self) {
+        self.stopping.store(true, Ordering::Release);
     }
 
     /// Places a tenant: its registry shard (low bits) and its arbiter (high bits). Not keyed: the

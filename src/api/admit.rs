@@ -70,6 +70,13 @@ pub async fn admit(
     // One monotonic reading dates the request both for the actor (which drops requests older than
     // the API waits for) and for the decision latency: each reading is a clock read of 20-40 ns.
     let started = app.shared.clock.mono();
+    // Counted until answered: shutdown waits for every admission that got this far.
+    let _admitting = super::inflight::Admitting::enter();
+    if app.shared.stopping() {
+        return Ok(super::overload::response(
+            super::overload::Overload::ShuttingDown,
+        ));
+    }
     let traced = app.shared.telemetry.traces();
     // The wall-clock start only dates spans.
     let start_unix_ns = match traced {

@@ -9,8 +9,10 @@
 pub mod admit;
 pub mod body;
 pub mod error;
+pub mod inflight;
 pub mod lease;
 pub mod names;
+pub mod overload;
 pub mod retry_after;
 pub mod unparsed;
 
@@ -212,6 +214,11 @@ where
         // request's future (moved several times on its way into the connection task) larger.
         "/v1/feedback" if post => Box::pin(feedback(app, json_body(&head, body).await?)).await,
         "/healthz" if get => Ok(json(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
+        // Not ready from the moment shutdown starts, so a load balancer stops sending here.
+        "/readyz" if get && app.shared.stopping() => Ok(json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &serde_json::json!({"ready": false, "store": "memory", "reason": "shutting down"}),
+        )),
         "/readyz" if get => Ok(json(
             StatusCode::OK,
             &serde_json::json!({"ready": true, "store": "memory"}),
