@@ -5,6 +5,7 @@
 
 pub mod adaptive;
 pub mod bucket;
+pub mod labels;
 pub mod leases;
 pub mod lint;
 pub mod refusal;

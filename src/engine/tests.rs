@@ -2038,7 +2038,7 @@ fn a_subjects_calls_share_its_name_and_an_upstream_sent_with_the_call_is_shared_
 
 #[test]
 fn an_expired_lease_reports_the_label_its_call_was_admitted_under() {
-    use crate::telemetry::labels::SubjectLabels;
+    use crate::engine::labels::SubjectLabels;
     let rig = Rig::new("[server]\nlease_ttl = \"10s\"\n");
     let labels = Arc::new(SubjectLabels::new(2, 1_000));
     let mut e = rig.engine("acme");
@@ -2071,7 +2071,7 @@ fn an_expired_lease_reports_the_label_its_call_was_admitted_under() {
 
 #[test]
 fn subjects_are_labelled_in_the_order_they_call_and_a_raised_cap_names_folded_ones() {
-    use crate::telemetry::labels::SubjectLabels;
+    use crate::engine::labels::SubjectLabels;
     let rig = Rig::new("");
     let labels = Arc::new(SubjectLabels::new(2, 1_000));
     let mut e = rig.engine("acme");

@@ -117,7 +117,7 @@ pub fn describe_metrics() {
 }
 
 /// The label value for a subject past the per-tenant cardinality cap (and for any other capped label).
-pub const OTHER: &str = "__other__";
+pub use crate::engine::labels::OTHER;
 /// The label value for a call without an upstream.
 pub const NO_UPSTREAM: &str = "none";
 /// The tenant label of cross-tenant series (shared upstream penalties).
