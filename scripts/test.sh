@@ -9,6 +9,7 @@ need_apt=()
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing test dependencies: ${need_apt[*]}"
@@ -28,8 +29,20 @@ cargo clippy --all-targets -- -D warnings
 echo "== cargo test"
 cargo test --all-features
 
-echo "== Python client against the daemon built above"
-ADMITD_BIN=target/debug/admitd timeout 300 python3 -W error::ResourceWarning -m unittest discover -s clients/python -p 'test_*.py'
+echo "== Python client: standard library only, against the daemon built above"
+PYTHONPATH=clients/python/src ADMITD_BIN=target/debug/admitd timeout 300 \
+  python3 -W error::ResourceWarning -m unittest discover -s clients/python/tests -p 'test_[cr]*.py'
+
+echo "== Python package: installed with its SDK extras into a venv, type-checked, end to end"
+# The SDKs and mypy at the versions in clients/python/tests/constraints.txt, from PyPI.
+venv=target/clients-venv
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check \
+  -c clients/python/tests/constraints.txt -r clients/python/tests/requirements.txt \
+  "./clients/python[fastmcp,mcp]"
+"$venv/bin/python" -m mypy --strict clients/python/src/admitd_client
+ADMITD_REQUIRE_SDKS=1 ADMITD_BIN=target/debug/admitd timeout 300 \
+  "$venv/bin/python" -W error::ResourceWarning -m unittest discover -s clients/python/tests -p 'test_*.py'
 
 echo "== script helpers (the profile's phase classifier, the layer check)"
 python3 -m unittest discover -s scripts -p 'test_*.py'

@@ -1,0 +1,317 @@
+"""The blocking and asyncio clients against the real admitd binary (``ADMITD_BIN``, default
+``target/debug/admitd``), started on a free port for each test class.
+
+    ADMITD_BIN=target/debug/admitd python3 -m unittest discover -s clients/python/tests -v
+"""
+
+import asyncio
+import os
+import socket
+import threading
+import time
+import unittest
+
+from admitd_client import Admitd, AdmitdError, AdmitdUnavailable, AsyncAdmitd
+from support import ROOT, Daemon, closed_port, read, require_binary
+
+CONFIG = read(os.path.join(ROOT, "clients", "test.toml"))
+
+
+class AgainstTheDaemon(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        require_binary()
+        cls.daemon = Daemon(CONFIG)
+        cls.admitd = Admitd(cls.daemon.url)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.admitd.close()
+        cls.daemon.stop()
+
+    def inflight(self, tenant):
+        snap = self.admitd.tenant(tenant)
+        return 0 if snap is None else snap["inflight"]
+
+    def test_admit_then_release(self):
+        d = self.admitd.admit("t-admit", "bot", "search", call_id="c-1")
+        self.assertTrue(d.admitted)
+        self.assertFalse(d.degraded)
+        self.assertTrue(d.lease_id)
+        self.assertEqual(d.body["remaining"], 1)
+        self.assertIn("ratelimit", d.headers)
+        self.assertEqual(self.inflight("t-admit"), 1)
+        self.assertTrue(self.admitd.release(d.lease_id, "ok", duration_ms=12.5))
+        self.assertEqual(self.inflight("t-admit"), 0)
+        # Released already: admitd no longer knows the lease.
+        self.assertFalse(self.admitd.release(d.lease_id))
+
+    def test_a_refusal_carries_the_tool_result_and_the_block_does_not_run_the_tool(self):
+        for _ in range(2):
+            self.assertTrue(self.admitd.admit("t-shed", "bot", "search", max_wait_ms=0).admitted)
+        ran = False
+        with self.admitd.call("t-shed", "bot", "search", max_wait_ms=0) as call:
+            if call.admitted:
+                ran = True
+            result = call.tool_result
+        self.assertFalse(ran)
+        self.assertEqual(call.decision.scope, "subject")
+        self.assertTrue(call.decision.retryable)
+        self.assertGreater(call.decision.retry_after_ms, 0)
+        self.assertTrue(result["isError"])
+        self.assertIn("Wait", result["content"][0]["text"])
+        self.assertEqual(result["structuredContent"]["error"], "rate_limited")
+
+    def test_a_short_shortfall_is_waited_out(self):
+        for _ in range(2):
+            self.admitd.admit("t-wait", "bot", "search")
+        d = self.admitd.admit("t-wait", "bot", "search", max_wait_ms=2000)
+        self.assertTrue(d.admitted, d.body)
+        self.assertGreater(d.waited_ms, 0)
+
+    def test_the_block_releases_with_the_outcome_it_had(self):
+        with self.admitd.call("t-ok", "bot", "search") as call:
+            self.assertTrue(call.admitted)
+            self.assertEqual(self.inflight("t-ok"), 1)
+        self.assertEqual(self.inflight("t-ok"), 0)
+
+        with self.assertRaises(ZeroDivisionError):
+            with self.admitd.call("t-err", "bot", "search") as call:
+                self.assertEqual(self.inflight("t-err"), 1)
+                1 / 0
+        # The exception went on to the caller, and the slot came back.
+        self.assertEqual(self.inflight("t-err"), 0)
+        self.assertTrue(call._released)
+
+    def test_an_upstream_429_puts_the_upstream_in_the_penalty_box(self):
+        with self.admitd.call("t-429", "bot", "get_sales") as call:
+            self.assertTrue(call.admitted)
+            call.upstream_response(429, "30")
+        again = self.admitd.admit("t-429", "other-bot", "get_sales", max_wait_ms=0)
+        self.assertFalse(again.admitted)
+        self.assertEqual(again.scope, "upstream_penalty")
+        self.assertGreater(again.retry_after_ms, 25_000)
+        # Another tenant's budget for the same (not shared) upstream is untouched.
+        self.assertTrue(self.admitd.admit("t-429-b", "bot", "get_sales").admitted)
+
+    def test_feedback_outside_a_lease(self):
+        self.admitd.feedback("t-fb", "warehouse", 429, retry_after=20)
+        d = self.admitd.admit("t-fb", "bot", "get_sales", max_wait_ms=0)
+        self.assertEqual((d.admitted, d.scope), (False, "upstream_penalty"))
+
+    def test_malformed_requests_raise(self):
+        with self.assertRaises(AdmitdError) as e:
+            self.admitd.admit("t-bad", "x" * 200, "search")
+        self.assertEqual((e.exception.status, e.exception.code), (400, "invalid_request"))
+        self.assertIn("128 bytes", e.exception.message)
+        with self.assertRaises(ValueError):
+            self.admitd.release("whatever", "done")
+
+    def test_names_travel_as_sent(self):
+        d = self.admitd.admit("t é/?#", "bot", "search")
+        self.assertTrue(d.admitted)
+        snap = self.admitd.tenant("t é/?#")
+        self.assertEqual(snap["tenant"], "t é/?#")
+        self.assertTrue(self.admitd.release(d.lease_id))
+        self.assertIsNone(self.admitd.tenant("nobody-here"))
+
+    def test_threads_share_one_client(self):
+        errors = []
+
+        def work(i):
+            try:
+                for _ in range(5):
+                    with self.admitd.call("t-threads", f"bot-{i}", "search") as call:
+                        self.assertTrue(call.admitted or call.tool_result["isError"])
+            except Exception as e:  # noqa: BLE001 - collected for the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(self.inflight("t-threads"), 0)
+
+    def test_a_kept_alive_connection_closed_by_the_daemon_is_reopened(self):
+        with Admitd(self.daemon.url) as client:
+            self.assertTrue(client.admit("t-reopen", "bot", "search").admitted)
+            # Close the socket under the client, as a daemon restart or an idle timeout would.
+            client._local.conn.sock.shutdown(socket.SHUT_RDWR)
+            self.assertTrue(client.admit("t-reopen", "bot", "search").admitted)
+
+
+class AsyncAgainstTheDaemon(unittest.IsolatedAsyncioTestCase):
+    daemon: Daemon
+
+    @classmethod
+    def setUpClass(cls):
+        require_binary()
+        cls.daemon = Daemon(CONFIG)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    async def asyncSetUp(self):
+        self.admitd = AsyncAdmitd(self.daemon.url)
+
+    async def asyncTearDown(self):
+        await self.admitd.aclose()
+
+    async def inflight(self, tenant):
+        snap = await self.admitd.tenant(tenant)
+        return 0 if snap is None else snap["inflight"]
+
+    async def test_admit_refuse_release(self):
+        d = await self.admitd.admit("a-admit", "bot", "search", call_id="c-1")
+        self.assertTrue(d.admitted)
+        self.assertFalse(d.degraded)
+        self.assertEqual(d.body["remaining"], 1)
+        self.assertIn("ratelimit", d.headers)
+        self.assertEqual(await self.inflight("a-admit"), 1)
+        self.assertTrue(await self.admitd.release(d.lease_id, "ok", duration_ms=3))
+        self.assertFalse(await self.admitd.release(d.lease_id))
+        self.assertEqual(await self.inflight("a-admit"), 0)
+        await self.admitd.admit("a-admit", "bot", "search")
+        shed = await self.admitd.admit("a-admit", "bot", "search", max_wait_ms=0)
+        self.assertFalse(shed.admitted)
+        self.assertEqual(shed.scope, "subject")
+        self.assertTrue(shed.tool_result["isError"])
+        self.assertIn("retry-after", shed.headers)
+
+    async def test_the_block_releases_with_the_outcome_it_had(self):
+        async with self.admitd.call("a-ok", "bot", "search") as call:
+            self.assertTrue(call.admitted)
+            self.assertEqual(await self.inflight("a-ok"), 1)
+        self.assertEqual(await self.inflight("a-ok"), 0)
+        with self.assertRaises(ZeroDivisionError):
+            async with self.admitd.call("a-err", "bot", "search"):
+                1 / 0
+        self.assertEqual(await self.inflight("a-err"), 0)
+
+        started = asyncio.Event()
+
+        async def slow_tool():
+            async with self.admitd.call("a-cancel", "bot", "search"):
+                started.set()
+                await asyncio.sleep(30)
+
+        task = asyncio.create_task(slow_tool())
+        await started.wait()
+        self.assertEqual(await self.inflight("a-cancel"), 1)
+        task.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await task
+        self.assertEqual(await self.inflight("a-cancel"), 0)
+
+    async def test_an_upstream_429_puts_the_upstream_in_the_penalty_box(self):
+        async with self.admitd.call("a-429", "bot", "get_sales") as call:
+            call.upstream_response(429, "30")
+        again = await self.admitd.admit("a-429", "other-bot", "get_sales", max_wait_ms=0)
+        self.assertEqual((again.admitted, again.scope), (False, "upstream_penalty"))
+        self.assertGreater(again.retry_after_ms, 25_000)
+        await self.admitd.feedback("a-fb", "warehouse", 429, retry_after=20)
+        d = await self.admitd.admit("a-fb", "bot", "get_sales", max_wait_ms=0)
+        self.assertEqual((d.admitted, d.scope), (False, "upstream_penalty"))
+
+    async def test_malformed_requests_raise(self):
+        with self.assertRaises(AdmitdError) as e:
+            await self.admitd.admit("a-bad", "x" * 200, "search")
+        self.assertEqual((e.exception.status, e.exception.code), (400, "invalid_request"))
+        # The connection stays usable after a 400.
+        self.assertTrue((await self.admitd.admit("a-bad", "bot", "search")).admitted)
+
+    async def test_held_calls_hold_no_thread(self):
+        # Ten subjects, three calls each: the third of each waits about a second for a token.
+        threads_before = threading.active_count()
+        peak = threads_before
+
+        async def sample():
+            nonlocal peak
+            while True:
+                peak = max(peak, threading.active_count())
+                await asyncio.sleep(0.05)
+
+        sampler = asyncio.create_task(sample())
+        started = time.monotonic()
+        decisions = await asyncio.gather(
+            *(
+                self.admitd.admit("a-held", f"bot-{i}", "search", max_wait_ms=2000)
+                for i in range(10)
+                for _ in range(3)
+            )
+        )
+        sampler.cancel()
+        self.assertTrue(all(d.admitted for d in decisions), [d.body for d in decisions])
+        held = [d for d in decisions if d.waited_ms > 0]
+        self.assertEqual(len(held), 10)
+        self.assertGreater(time.monotonic() - started, 0.5)
+        self.assertEqual(peak, threads_before)
+
+
+class WithoutTheDaemon(unittest.TestCase):
+    def test_fail_open_runs_the_call_without_a_lease(self):
+        client = Admitd(f"http://127.0.0.1:{closed_port()}", timeout=1)
+        with self.assertLogs("admitd_client", "WARNING"):
+            with client.call("t", "bot", "search") as call:
+                self.assertTrue(call.admitted)
+                self.assertTrue(call.decision.degraded)
+                self.assertIsNone(call.decision.lease_id)
+
+    def test_fail_closed_refuses_with_a_tool_result(self):
+        client = Admitd(f"http://127.0.0.1:{closed_port()}", fail_open=False, unavailable_retry_s=7)
+        with self.assertLogs("admitd_client", "WARNING"):
+            d = client.admit("t", "bot", "search")
+        self.assertFalse(d.admitted)
+        self.assertTrue(d.degraded)
+        self.assertEqual(d.retry_after_ms, 7000)
+        self.assertTrue(d.tool_result["isError"])
+        self.assertIn("Wait 7 seconds", d.tool_result["content"][0]["text"])
+        with self.assertRaises(AdmitdUnavailable):
+            client.release("00", "ok")
+
+    def test_async_fail_open_and_fail_closed(self):
+        async def main():
+            port = closed_port()
+            async with AsyncAdmitd(f"http://127.0.0.1:{port}") as client:
+                async with client.call("t", "bot", "search") as call:
+                    self.assertTrue(call.admitted)
+                    self.assertTrue(call.decision.degraded)
+            async with AsyncAdmitd(f"http://127.0.0.1:{port}", fail_open=False) as client:
+                d = await client.admit("t", "bot", "search")
+                self.assertEqual((d.admitted, d.degraded, d.retry_after_ms), (False, True, 5000))
+                with self.assertRaises(AdmitdUnavailable):
+                    await client.release("00", "ok")
+
+        with self.assertLogs("admitd_client", "WARNING"):
+            asyncio.run(main())
+
+    def test_an_admitd_that_does_not_answer_fails_open_within_the_timeout(self):
+        # A listening socket nobody accepts from: the connection opens, no answer ever comes.
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            url = "http://127.0.0.1:%d" % silent.getsockname()[1]
+            for client in (Admitd(url, timeout=0.3), AsyncAdmitd(url, timeout=0.3)):
+                started = time.monotonic()
+                with self.assertLogs("admitd_client", "WARNING"):
+                    if isinstance(client, AsyncAdmitd):
+                        d = asyncio.run(client.admit("t", "bot", "search", max_wait_ms=0))
+                    else:
+                        d = client.admit("t", "bot", "search", max_wait_ms=0)
+                        client.close()
+                self.assertTrue(d.admitted and d.degraded)
+                self.assertLess(time.monotonic() - started, 2.0)
+
+    def test_only_http_and_unix_urls(self):
+        for bad in ("https://127.0.0.1:9470", "127.0.0.1:9470", "http://", "unix:", "unix://host/x"):
+            with self.assertRaises(ValueError):
+                Admitd(bad)
+            with self.assertRaises(ValueError):
+                AsyncAdmitd(bad)
+
+
+if __name__ == "__main__":
+    unittest.main()
