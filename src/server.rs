@@ -218,7 +218,7 @@ async fn run(config: Config) -> Result<(), String> {
     if let Some(telemetry) = telemetry {
         telemetry.arbiter.stop();
         if let Some(exporter) = telemetry.span_exporter {
-            // The span actor ends its open spans as it stops; wait for their export.
+            // The span actor hands over its finished spans as it stops; wait for their export.
             exporter.shutdown(Duration::from_secs(3));
         }
     }

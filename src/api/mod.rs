@@ -415,6 +415,12 @@ async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiErr
         penalty_ms: released.penalty.map(|d| d.as_millis() as u64),
         duration_ms,
         lease,
+        released_unix_ns: match app.shared.telemetry.traces() {
+            true => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            false => 0,
+        },
     });
     Ok(json_response(StatusCode::OK, RELEASED))
 }

@@ -760,6 +760,7 @@ mod tests {
         let cfg = Config::default().telemetry;
         let release = |upstream: Option<&str>, outcome: &'static str, status: Option<u16>| {
             Event::Release(Arc::new(ReleaseEvent {
+                released_unix_ns: 0,
                 tenant: Arc::from("acme"),
                 subject: Arc::from("alice"),
                 tool: Arc::from("search"),

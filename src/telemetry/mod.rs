@@ -131,6 +131,8 @@ pub struct ReleaseEvent {
     pub duration_ms: Option<u64>,
     /// The released lease's number (unique within its tenant).
     pub lease: u64,
+    /// When the release was answered (Unix ns), to date its span; 0 when spans are not exported.
+    pub released_unix_ns: u64,
 }
 
 /// An upstream answer reported outside a lease.
@@ -402,7 +404,7 @@ impl Telemetry {
         }
     }
 
-    /// Whether a release is worth an event: spans end at release, and metrics count an upstream
+    /// Whether a release is worth an event: a release has a span, and metrics count an upstream
     /// status or a tool duration (`counted`); a bare release is neither.
     pub fn wants_release(&self, counted: bool) -> bool {
         !self.sinks.is_empty() && (self.traces || counted)
@@ -426,8 +428,8 @@ impl Telemetry {
         }
     }
 
-    /// Whether spans are exported (decision events then carry their lease id, to end the span at
-    /// release).
+    /// Whether spans are exported (decision events then carry their lease id, for the release's
+    /// span).
     pub fn traces(&self) -> bool {
         self.traces
     }
