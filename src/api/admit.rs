@@ -20,7 +20,7 @@ use crate::actors::{AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold
 use crate::clock::{ceil_ms, ceil_secs};
 use crate::config::Mode;
 use crate::engine::refusal::whole_seconds;
-use crate::engine::{tightest, AdmitRequest, Decision, LayerState, Shed, Verdict};
+use crate::engine::{tightest, AdmitRequest, Decision, LayerState, Scope, Shed, Verdict};
 use crate::telemetry::{DecisionEvent, DecisionKind, SpanFields};
 
 /// Names borrow from the request body when they need no unescaping (the usual case), so the only
@@ -110,7 +110,14 @@ pub async fn admit(
         Err(e) => return Ok(Box::pin(refused_before_deciding(shared, tenant, req, e)).await),
     };
     let max_wait_ns = req.max_wait_ns;
-    let reply = shared.admit(tenant, req, started).await?;
+    // Kept for a second asking (see `wait_for_promise`) only when the call may wait.
+    let again = (max_wait_ns > 0 && !shadow).then(|| req.clone());
+    let mut reply = shared.admit(tenant, req, started).await?;
+    if let Some(again) = again {
+        if let Some(ns) = promise_within_wait(&reply, max_wait_ns) {
+            reply = Box::pin(wait_for_promise(shared, tenant, again, ns, started)).await?;
+        }
+    }
     // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
     let decision_ns = shared.clock.mono().saturating_sub(started);
     let (decision, tenant_name) = match reply {
@@ -183,6 +190,45 @@ async fn refused_before_deciding(
         ratelimit_headers(response.headers_mut(), &layers);
     }
     response
+}
+
+/// A call that may wait and was refused by a bucket that promised it a slot within its wait: the
+/// slot's wait. The call was not held because callers refused earlier are promised the tokens a hold
+/// would reserve; the daemon waits for the slot after theirs on the caller's behalf instead.
+fn promise_within_wait(reply: &AdmitReply, max_wait_ns: u64) -> Option<u64> {
+    let AdmitReply::Decided(d, _) = reply else {
+        return None;
+    };
+    let Verdict::Shed(s) = &d.verdict else {
+        return None;
+    };
+    let bucket = matches!(
+        s.scope,
+        Scope::Subject | Scope::SubjectTool | Scope::Tenant | Scope::TenantUpstream | Scope::Global
+    );
+    let ns = s.retry_after_ms.saturating_mul(1_000_000);
+    (bucket && s.retryable && ns <= max_wait_ns).then_some(ns)
+}
+
+/// Sleeps until the promised slot and asks once more, with what is left of the call's wait.
+async fn wait_for_promise(
+    shared: &Arc<Shared>,
+    tenant: &str,
+    mut req: AdmitRequest,
+    wait_ns: u64,
+    started: u64,
+) -> Result<AdmitReply, ApiError> {
+    tokio::time::sleep(Duration::from_nanos(wait_ns)).await;
+    req.max_wait_ns = req.max_wait_ns.saturating_sub(wait_ns);
+    let mut reply = shared.admit(tenant, req, shared.clock.mono()).await?;
+    // The wait counts as waited, as a hold would.
+    let waited = shared.clock.mono().saturating_sub(started);
+    if let AdmitReply::Decided(d, _) = &mut reply {
+        if let Verdict::Admitted(a) = &mut d.verdict {
+            a.queued_ns = a.queued_ns.saturating_add(waited);
+        }
+    }
+    Ok(reply)
 }
 
 /// Whether an admitted call must sleep out its hold before it is answered.

@@ -128,14 +128,73 @@ pub enum Take {
 /// takes a new promise every time, and without a horizon the cursor would run away from the refill.
 pub const PROMISE_HORIZON: Nanos = 60 * NS_PER_SEC;
 
-/// The next promised slot: after every earlier promise, but never more than the horizon (or a full
-/// refill, if longer) past the bucket's own schedule.
-fn promised_slot(promised: Nanos, tat: Nanos, now: Nanos, inc: u64, tau: u64) -> Nanos {
-    let base = tat.max(now);
+/// How long after its slot a promise still counts. A caller that waited as told arrives a little after
+/// its slot (its own sleep, the network, a busy machine); one that has not come back by then has given
+/// up, and its promise stops holding back calls that may wait and the promises made after it.
+pub const PROMISE_GRACE: Nanos = NS_PER_SEC;
+
+/// What a refused call is told by a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Promise {
+    /// Its own slot, after every slot promised earlier: come back in this many nanoseconds.
+    Slot(u64),
+    /// Every slot up to the promise horizon is promised already: the first slot past it is this many
+    /// nanoseconds away, and nothing was promised. The caller spreads such hints (see
+    /// [`crate::engine::tenant`]) rather than telling them all the same instant.
+    Booked(u64),
+}
+
+impl Promise {
+    /// Nanoseconds until the slot (promised or, when booked, the first one past the horizon).
+    pub fn wait(self) -> u64 {
+        match self {
+            Promise::Slot(w) | Promise::Booked(w) => w,
+        }
+    }
+}
+
+/// Whether a promise cursor still stands for callers expected back: it is ahead of the bucket's own
+/// schedule (some promised token was not taken yet) and its last slot, which is never before
+/// `not_before`, is less than [`PROMISE_GRACE`] old.
+fn cursor_live(cursor: Nanos, tat: Nanos, now: Nanos, tau: u64, not_before: Nanos) -> bool {
+    cursor > tat.max(now)
+        && cursor
+            .saturating_sub(tau)
+            .max(not_before)
+            .saturating_add(PROMISE_GRACE)
+            > now
+}
+
+/// The promise for a call of `inc` refused at `now` that cannot come back before `not_before`, given the
+/// promise cursor (the bucket's full-at instant once every promised caller has taken its token) and the
+/// bucket's `tat`. Returns the new cursor (unchanged when booked) and the promise.
+///
+/// A take at `x` moves `tat` to `max(tat, x) + inc`, so the next promised take moves it to
+/// `max(cursor, tat, now, not_before) + inc`, and may happen once that is within a refill of `x`.
+fn promise_at(
+    cursor: Nanos,
+    tat: Nanos,
+    now: Nanos,
+    not_before: Nanos,
+    inc: u64,
+    tau: u64,
+) -> (Nanos, Promise) {
+    let cursor = if cursor_live(cursor, tat, now, tau, not_before) {
+        cursor
+    } else {
+        0
+    };
+    let base = tat.max(now).max(not_before);
     let limit = base
         .saturating_add(inc)
         .saturating_add(PROMISE_HORIZON.max(tau));
-    promised.max(base).saturating_add(inc).min(limit)
+    let next = cursor.max(base).saturating_add(inc);
+    let at = |slot: Nanos| slot.saturating_sub(tau).max(not_before).max(now) - now;
+    if next > limit {
+        (cursor, Promise::Booked(at(limit)))
+    } else {
+        (next, Promise::Slot(at(next)))
+    }
 }
 
 /// The next slot of a [`stagger`]ed hint: `step` after the last slot handed out, but not before
@@ -186,10 +245,12 @@ pub struct Bucket {
 }
 
 impl Bucket {
-    /// Takes `inc` nanoseconds of tokens if they are there within `max_wait` nanoseconds.
+    /// Takes `inc` nanoseconds of tokens if they are there within `max_wait` nanoseconds. A call is
+    /// held only if no earlier promise is waiting for the tokens it would reserve: a hold jumping
+    /// ahead of promised callers would take the slot one of them was told to come back for.
     pub fn take(&mut self, g: &Gcra, now: Nanos, inc: u64, max_wait: u64) -> Take {
         let short = shortfall(self.tat, now, inc, g.tau);
-        if short > max_wait {
+        if short > max_wait || (short > 0 && self.promises_waiting(g, now, 0)) {
             return Take::Short { shortfall: short };
         }
         self.tat = self.tat.max(now).saturating_add(inc);
@@ -206,11 +267,18 @@ impl Bucket {
         self.tat = self.tat.saturating_sub(inc);
     }
 
-    /// Promises a refused call the next free slot after those already promised; returns the wait in ns.
-    pub fn promise(&mut self, g: &Gcra, now: Nanos, inc: u64) -> u64 {
-        let slot = promised_slot(self.promised, self.tat, now, inc, g.tau);
-        self.promised = slot;
-        slot.saturating_sub(now.saturating_add(g.tau))
+    /// Promises a refused call that cannot come back before `not_before` (0: at once) the next free
+    /// slot after those already promised.
+    pub fn promise(&mut self, g: &Gcra, now: Nanos, not_before: Nanos, inc: u64) -> Promise {
+        let (cursor, p) = promise_at(self.promised, self.tat, now, not_before, inc, g.tau);
+        self.promised = cursor;
+        p
+    }
+
+    /// Whether callers promised a slot of this bucket are still expected back (see
+    /// [`PROMISE_GRACE`]); `not_before` as given to their promises.
+    pub fn promises_waiting(&self, g: &Gcra, now: Nanos, not_before: Nanos) -> bool {
+        cursor_live(self.promised, self.tat, now, g.tau, not_before)
     }
 
     /// Whole tokens left at `now`.
@@ -286,10 +354,23 @@ impl AtomicBucket {
     }
 
     /// Like [`Bucket::promise`], with the caller's own promise cursor.
-    pub fn promise(&self, cursor: &mut Nanos, g: &Gcra, now: Nanos, inc: u64) -> u64 {
-        let slot = promised_slot(*cursor, self.tat.load(Ordering::Acquire), now, inc, g.tau);
-        *cursor = slot;
-        slot.saturating_sub(now.saturating_add(g.tau))
+    pub fn promise(
+        &self,
+        cursor: &mut Nanos,
+        g: &Gcra,
+        now: Nanos,
+        not_before: Nanos,
+        inc: u64,
+    ) -> Promise {
+        let tat = self.tat.load(Ordering::Acquire);
+        let (c, p) = promise_at(*cursor, tat, now, not_before, inc, g.tau);
+        *cursor = c;
+        p
+    }
+
+    /// Like [`Bucket::promises_waiting`], for the caller's own promise cursor.
+    pub fn promises_waiting(&self, cursor: Nanos, g: &Gcra, now: Nanos, not_before: Nanos) -> bool {
+        cursor_live(cursor, self.tat.load(Ordering::Acquire), now, g.tau, not_before)
     }
 
     pub fn remaining(&self, g: &Gcra, now: Nanos) -> u64 {
@@ -470,7 +551,7 @@ mod tests {
         for _ in 0..20 {
             b.take(&g, 0, inc, 0);
         }
-        let hints: Vec<u64> = (0..4).map(|_| b.promise(&g, 0, inc)).collect();
+        let hints: Vec<u64> = (0..4).map(|_| b.promise(&g, 0, 0, inc).wait()).collect();
         assert_eq!(
             hints,
             vec![
@@ -491,19 +572,109 @@ mod tests {
         let mut b = Bucket::default();
         let inc = g.increment(1.0);
         b.take(&g, 0, inc, 0);
-        let mut last = 0;
-        for _ in 0..10_000 {
-            last = b.promise(&g, 0, inc);
-        }
-        // the refill schedule (1 s) plus the horizon, not 10 000 s
-        assert_eq!(last, NS_PER_SEC + PROMISE_HORIZON);
+        let hints: Vec<Promise> = (0..10_000).map(|_| b.promise(&g, 0, 0, inc)).collect();
+        // One slot a second up to the refill schedule (1 s) plus the horizon, then booked: the
+        // first slot past the horizon, promised to nobody.
+        assert_eq!(hints[0], Promise::Slot(NS_PER_SEC));
+        assert_eq!(hints[59], Promise::Slot(60 * NS_PER_SEC));
+        assert_eq!(hints[60], Promise::Slot(NS_PER_SEC + PROMISE_HORIZON));
+        assert!(hints[61..]
+            .iter()
+            .all(|h| *h == Promise::Booked(NS_PER_SEC + PROMISE_HORIZON)));
         let a = AtomicBucket::default();
         a.take(&g, 0, inc, 0);
         let mut cursor = 0;
-        for _ in 0..10_000 {
-            last = a.promise(&mut cursor, &g, 0, inc);
+        let hints: Vec<Promise> = (0..10_000)
+            .map(|_| a.promise(&mut cursor, &g, 0, 0, inc))
+            .collect();
+        assert_eq!(hints[60], Promise::Slot(NS_PER_SEC + PROMISE_HORIZON));
+        assert_eq!(hints[9_999], Promise::Booked(NS_PER_SEC + PROMISE_HORIZON));
+    }
+
+    #[test]
+    fn a_promise_that_cannot_come_back_before_a_penalty_ends_gets_the_slot_after_it() {
+        // 5/s, burst 5, full; the upstream asked for 2 s. The first five are told the end of the
+        // penalty (the burst is there then), each next one a refill step later.
+        let g = g(5.0, 5.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        let now = 10 * NS_PER_SEC;
+        let end = now + 2 * NS_PER_SEC;
+        let hints: Vec<u64> = (0..8)
+            .map(|_| b.promise(&g, now, end, inc).wait())
+            .collect();
+        let ms = |m: u64| m * NS_PER_MS;
+        assert_eq!(
+            hints,
+            vec![
+                ms(2000),
+                ms(2000),
+                ms(2000),
+                ms(2000),
+                ms(2000),
+                ms(2200),
+                ms(2400),
+                ms(2600)
+            ]
+        );
+        // Each caller that comes back as told finds its token.
+        let mut arrivals: Vec<Nanos> = hints.iter().map(|h| now + h).collect();
+        arrivals.sort_unstable();
+        for at in arrivals {
+            assert_eq!(b.take(&g, at, inc, 0), Take::Ok { wait: 0 }, "at {at}");
         }
-        assert_eq!(last, NS_PER_SEC + PROMISE_HORIZON);
+    }
+
+    #[test]
+    fn a_hold_does_not_jump_ahead_of_a_promise_until_its_grace_is_over() {
+        let g = g(2.0, 1.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        assert_eq!(b.take(&g, 0, inc, 0), Take::Ok { wait: 0 });
+        // Refused and promised the next token, in 500 ms.
+        assert_eq!(b.promise(&g, 0, 0, inc), Promise::Slot(500 * NS_PER_MS));
+        // A call that may wait 2 s is not held into that token: it is refused (and promised the one
+        // after).
+        let t = 30 * NS_PER_MS;
+        assert!(matches!(
+            b.take(&g, t, inc, 2 * NS_PER_SEC),
+            Take::Short { .. }
+        ));
+        assert_eq!(b.promise(&g, t, 0, inc), Promise::Slot(970 * NS_PER_MS));
+        // The promised callers come back and find their tokens.
+        assert_eq!(b.take(&g, 500 * NS_PER_MS, inc, 0), Take::Ok { wait: 0 });
+        assert!(b.promises_waiting(&g, 500 * NS_PER_MS, 0));
+        assert_eq!(b.take(&g, NS_PER_SEC, inc, 0), Take::Ok { wait: 0 });
+        // Every promise taken: holds queue again.
+        assert!(!b.promises_waiting(&g, NS_PER_SEC, 0));
+        assert_eq!(
+            b.take(&g, NS_PER_SEC, inc, NS_PER_SEC),
+            Take::Ok {
+                wait: 500 * NS_PER_MS
+            }
+        );
+    }
+
+    #[test]
+    fn a_promise_whose_caller_never_comes_back_expires_after_the_grace() {
+        let g = g(1.0, 1.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        b.take(&g, 0, inc, 0);
+        for k in 1..=3 {
+            assert_eq!(b.promise(&g, 0, 0, inc), Promise::Slot(k * NS_PER_SEC));
+        }
+        // Nobody came back. Within the grace of the last slot (3 s), holds still wait behind it.
+        let t = 3 * NS_PER_SEC + PROMISE_GRACE - NS_PER_MS;
+        assert!(b.promises_waiting(&g, t, 0));
+        assert!(matches!(b.take(&g, t, inc, NS_PER_SEC), Take::Ok { .. }));
+        b.refund(inc);
+        // Past it, the promises are forgotten: the next refusal gets the bucket's own next slot,
+        // not one behind callers who gave up.
+        let t = 3 * NS_PER_SEC + PROMISE_GRACE + NS_PER_MS;
+        assert!(!b.promises_waiting(&g, t, 0));
+        assert_eq!(b.take(&g, t, inc, 0), Take::Ok { wait: 0 });
+        assert_eq!(b.promise(&g, t, 0, inc), Promise::Slot(NS_PER_SEC));
     }
 
     #[test]
@@ -595,8 +766,8 @@ mod tests {
                 b.refund(inc);
             }
             assert_eq!(
-                a.promise(&mut cursor, &g, now, inc),
-                b.promise(&g, now, inc)
+                a.promise(&mut cursor, &g, now, 0, inc),
+                b.promise(&g, now, 0, inc)
             );
         }
     }

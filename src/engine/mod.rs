@@ -11,6 +11,7 @@ pub mod lint;
 pub mod refusal;
 pub mod rng;
 pub mod shared;
+pub mod slots;
 pub mod tenant;
 pub mod types;
 

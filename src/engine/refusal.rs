@@ -95,6 +95,10 @@ fn shown<'a>(name: Option<&'a str>, generic: &'a str) -> &'a str {
 
 const FORWARD: &str = "Meanwhile, continue with the results you already have, or tell the user that this step is pending.";
 
+/// Added to a refusal whose wait lies past the promise horizon (every slot before it is promised to
+/// callers refused earlier): a retry within this turn makes no sense.
+pub const LONG_WAIT: &str = " That is a long wait: continue without this call, and retry it only if it is still needed then.";
+
 /// The short operator-facing reason for a scope.
 pub fn reason(scope: Scope) -> &'static str {
     match scope {

@@ -90,11 +90,13 @@ impl TenantEngine {
         let l = self.leases.remove(lease).ok_or(UnknownLease)?;
         if l.slots {
             self.free_slots(&l.subject, now);
-            let held = now.saturating_sub(l.created) as f64;
-            self.hold_avg_ns = Some(match self.hold_avg_ns {
-                Some(avg) => avg * 0.8 + held * 0.2,
-                None => held,
-            });
+            // What frees a slot is the release: the run the server reports, or the time the slot
+            // was really held (the report, plus the round trips), whichever is longer.
+            let start = l.charge.as_ref().map_or(l.created, |c| c.hold_until);
+            let held = now.saturating_sub(start);
+            let reported = info.duration_ms.map_or(0, |ms| ms.saturating_mul(NS_PER_MS));
+            self.run_times
+                .record(&l.subject, &l.tool, held.max(reported));
         }
         let rate_limited =
             info.outcome == Outcome::UpstreamRateLimited || info.upstream_status == Some(429);
@@ -171,12 +173,16 @@ impl TenantEngine {
     ) -> Result<Option<Decision>, UnknownLease> {
         let l = self.leases.get(lease).ok_or(UnknownLease)?;
         let r = l.resolved(self.labels.as_deref());
-        let Some(shed) = self.penalty(&r, now) else {
+        if self.longest_penalty(&r, now).is_none() {
             return Ok(None);
-        };
+        }
+        // Its tokens go back before it is promised a slot, so that they can be part of it.
         let granted = self.end_lease(lease, true, now, wall_ms)?;
         self.pending.extend(granted);
         let plan = self.plan(&r);
+        let Some(shed) = self.penalty(&r, &plan, now) else {
+            return Ok(None);
+        };
         Ok(Some(self.refuse(r, &plan, shed, now)))
     }
 
@@ -219,7 +225,7 @@ impl TenantEngine {
             };
             let plan = self.plan(&w.resolved);
             // The release that freed this slot may have started a penalty on the waiter's upstream.
-            if let Some(shed) = self.penalty(&w.resolved, now) {
+            if let Some(shed) = self.penalty(&w.resolved, &plan, now) {
                 let d = self.refuse(w.resolved, &plan, shed, now);
                 out.push((w.id, d));
                 continue;

@@ -4,9 +4,6 @@
 
 use super::*;
 
-/// Retry hint for a concurrency refusal before any lease was seen to finish.
-pub(super) const DEFAULT_HOLD_HINT_NS: u64 = NS_PER_SEC;
-
 /// How a layer is reported, given its bucket's state.
 pub(super) fn layer_state(
     lp: &LayerPlan,
@@ -189,43 +186,19 @@ impl TenantEngine {
         }
     }
 
-    /// Refuses a call for want of a concurrency slot. The first call refused is told the average time
-    /// a call holds its slot; each next one, refused before that time, is told one slot's worth later
-    /// (the average hold over the number of slots), so the callers who wait as told take the slots
-    /// one by one as they free instead of coming back together (over at most four average holds,
-    /// then starting over).
+    /// Refuses a call for want of a concurrency slot, promising it the slot expected to free for it
+    /// (see [`TenantEngine::slot_promise`]).
     pub(super) fn concurrency_shed(&mut self, r: &Resolved, now: Nanos) -> Shed {
-        let hold = self
-            .hold_avg_ns
-            .map_or(DEFAULT_HOLD_HINT_NS, |h| h as u64)
-            .clamp(100 * NS_PER_MS, 60 * NS_PER_SEC);
-        let limits = &self.policy.limits;
-        let subject_limit = limits.subject.concurrency.filter(|&c| {
-            self.subjects
-                .get(&r.subject)
-                .is_some_and(|s| s.inflight >= c)
-        });
-        let tenant_limit = limits.tenant.concurrency;
-        let cursor = match (subject_limit, self.subjects.get_mut(&r.subject)) {
-            (Some(_), Some(s)) => &mut s.extra_mut().slot_stagger,
-            _ => &mut self.slot_stagger,
-        };
-        let slots = subject_limit.or(tenant_limit).unwrap_or(1).max(1);
-        // Spread over at most four average holds (at least a second).
-        let window = (4 * hold).clamp(NS_PER_SEC, PROMISE_HORIZON);
-        let slot = stagger(
-            cursor,
-            now.saturating_add(hold),
-            hold / slots as u64,
-            window,
-        );
+        let (at, subject_binds) = self
+            .slot_promise(r, now, now, true)
+            .unwrap_or((now.saturating_add(slots::DEFAULT_RUN_NS), false));
         let upstream = r.upstream.clone();
         self.shed_by(
             r,
             upstream.as_deref(),
             Scope::Concurrency,
-            slot - now,
-            subject_limit.is_none(),
+            at - now,
+            !subject_binds,
         )
     }
 

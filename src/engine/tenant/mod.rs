@@ -33,12 +33,14 @@ mod interpret;
 mod plan;
 mod snapshot;
 mod store;
+mod promises;
 mod subjects;
 mod upstream;
 
 use calls::*;
 use interpret::*;
 use plan::*;
+use promises::*;
 pub use snapshot::*;
 use store::*;
 use subjects::*;
@@ -59,11 +61,14 @@ use serde::Serialize;
 use smallvec::SmallVec;
 
 use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
-use super::bucket::{stagger, stagger_atomic, AtomicBucket, Bucket, Gcra, Take, PROMISE_HORIZON};
+use super::bucket::{
+    stagger, stagger_atomic, AtomicBucket, Bucket, Gcra, Promise, Take, PROMISE_HORIZON,
+};
 use super::leases::{Expiries, Leases};
 use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
 use super::shared::{SharedBudgets, SharedUpstream};
+use super::slots::{self, RunTimeBook, SlotPromise};
 use super::types::*;
 use crate::clock::{ceil_ms, ms_until_utc_midnight, utc_day, Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::{BucketSpec, Config, Mode, TenantLimits, UpstreamConfig};
@@ -151,10 +156,10 @@ pub struct TenantEngine {
     rng: Rng,
     /// This tenant's promise cursor on the global bucket.
     global_promised: Nanos,
-    /// Moving average of how long leases are held, for concurrency retry hints.
-    hold_avg_ns: Option<f64>,
-    /// The last retry slot handed to a call refused for want of the tenant's concurrency slots.
-    slot_stagger: Nanos,
+    /// How long calls run, per subject and tool, for concurrency retry hints.
+    run_times: RunTimeBook,
+    /// Slots promised to calls refused for want of the tenant's concurrency slots, in time order.
+    slot_promises: Vec<SlotPromise>,
     last_active: Nanos,
 }
 
@@ -181,8 +186,8 @@ impl TenantEngine {
             global_promised: 0,
             next_id,
             rng,
-            hold_avg_ns: None,
-            slot_stagger: 0,
+            run_times: RunTimeBook::default(),
+            slot_promises: Vec::new(),
             last_active: 0,
         }
     }
@@ -261,13 +266,14 @@ impl TenantEngine {
         if let Some(shed) = self.oversized(&r, &plan) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
-        if let Some(shed) = self.penalty(&r, now) {
+        if let Some(shed) = self.penalty(&r, &plan, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
         if let Some(shed) = self.adaptive(&r, &configs, now) {
             return AdmitResult::Decided(self.refuse(r, &plan, shed, now));
         }
         if self.take_slots_if_free(&r) || self.take_expired_slots(&r, now, wall_ms) {
+            self.claim_slot_promise(&r.subject, now);
             return AdmitResult::Decided(self.after_slots(
                 r,
                 &plan,
@@ -361,7 +367,8 @@ impl TenantEngine {
                     // Give back everything, then promise this caller a slot behind earlier refusals.
                     self.undo_charge(&r, plan, &charge);
                     self.free_slots(&r.subject, now);
-                    let mut wait = self.promise_layer(lp, &r, now);
+                    let promise = self.promise_layer(lp, &r, now, 0);
+                    let mut wait = promise.wait();
                     for later in &plan[i + 1..] {
                         wait = wait.max(self.peek_layer(later, &r, now).2);
                     }
@@ -369,8 +376,15 @@ impl TenantEngine {
                     if let Some((_, left)) = self.longest_penalty(&r, now) {
                         wait = wait.max(left);
                     }
+                    let booked = matches!(promise, Promise::Booked(_));
+                    if booked {
+                        wait = self.spread_booked(wait);
+                    }
                     let upstream = lp.upstream.clone().or_else(|| r.upstream.clone());
                     let mut shed = self.make_shed(&r, upstream.as_deref(), lp.layer.scope(), wait);
+                    if booked {
+                        shed.message.push_str(refusal::LONG_WAIT);
+                    }
                     if lp.layer == Layer::TenantUpstream && lp.multiplier < 1.0 {
                         shed.reason = format!(
                             "rate limit reached (the upstream answered 429, so its budget is cut to {:.0}%)",

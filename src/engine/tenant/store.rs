@@ -94,7 +94,13 @@ impl TenantEngine {
                         }
                     }
                 }
-                let max_wait = if lp.hold_ok { max_wait } else { 0 };
+                // Nor is a call held into tokens promised to this tenant's refused callers.
+                let cursor = self.upstreams.get(&name).map_or(0, |u| u.shared_promised);
+                let max_wait = if lp.hold_ok && !s.bucket.promises_waiting(cursor, &lp.g, now, 0) {
+                    max_wait
+                } else {
+                    0
+                };
                 match s.bucket.take(&lp.g, now, inc, max_wait) {
                     ok @ Take::Ok { .. } => {
                         let (mut remaining, mut reset) =
@@ -114,6 +120,11 @@ impl TenantEngine {
             }
             Layer::Global => {
                 let b = self.policy.global(&self.shared);
+                let max_wait = if b.promises_waiting(self.global_promised, &lp.g, now, 0) {
+                    0
+                } else {
+                    max_wait
+                };
                 let t = b.take(&lp.g, now, inc, max_wait);
                 (t, b.remaining(&lp.g, now), b.reset_ns(now))
             }
@@ -143,49 +154,64 @@ impl TenantEngine {
         }
     }
 
-    pub(super) fn promise_layer(&mut self, lp: &LayerPlan, r: &Resolved, now: Nanos) -> u64 {
+    /// Promises a call refused on this layer, that cannot come back before `not_before` (0: at
+    /// once), the layer's next slot after those promised earlier.
+    pub(super) fn promise_layer(
+        &mut self,
+        lp: &LayerPlan,
+        r: &Resolved,
+        now: Nanos,
+        not_before: Nanos,
+    ) -> Promise {
         let tokens = r.cost * lp.units;
         let inc = lp.g.increment(tokens);
+        let nb = not_before;
         match lp.layer {
-            Layer::Subject => self.subject_mut(r).bucket.promise(&lp.g, now, inc),
+            Layer::Subject => self.subject_mut(r).bucket.promise(&lp.g, now, nb, inc),
             Layer::SubjectTool => self
                 .subject_mut(r)
                 .tool_bucket(&r.tool)
-                .promise(&lp.g, now, inc),
-            Layer::Tenant => self.tenant_bucket.promise(&lp.g, now, inc),
+                .promise(&lp.g, now, nb, inc),
+            Layer::Tenant => self.tenant_bucket.promise(&lp.g, now, nb, inc),
             Layer::TenantUpstream => {
                 let name = lp.upstream.clone().unwrap_or_else(|| Arc::from(""));
                 match &lp.shared {
                     Some(s) => {
+                        let at = now.max(nb);
                         let fair = match Self::fair_of(lp, tokens) {
                             Some(f) => {
                                 let u = self.upstream_mut(&name);
-                                if u.fair.peek(&f, now, f.increment(tokens)) > 0 {
-                                    u.fair.promise(&f, now, f.increment(tokens))
+                                if u.fair.peek(&f, at, f.increment(tokens)) > 0 {
+                                    u.fair.promise(&f, now, nb, f.increment(tokens))
                                 } else {
-                                    0
+                                    Promise::Slot(at - now)
                                 }
                             }
-                            None => 0,
+                            None => Promise::Slot(at - now),
                         };
-                        let shared = if s.bucket.peek(&lp.g, now, inc) > 0 {
+                        let shared = if s.bucket.peek(&lp.g, at, inc) > 0 {
                             let mut cursor = self.upstream_mut(&name).shared_promised;
-                            let wait = s.bucket.promise(&mut cursor, &lp.g, now, inc);
+                            let p = s.bucket.promise(&mut cursor, &lp.g, now, nb, inc);
                             self.upstream_mut(&name).shared_promised = cursor;
-                            wait
+                            p
                         } else {
-                            0
+                            Promise::Slot(at - now)
                         };
-                        fair.max(shared)
+                        later_promise(fair, shared)
                     }
-                    None => self.upstream_mut(&name).bucket.promise(&lp.g, now, inc),
+                    None => self
+                        .upstream_mut(&name)
+                        .bucket
+                        .promise(&lp.g, now, nb, inc),
                 }
             }
-            Layer::Global => {
-                self.policy
-                    .global(&self.shared)
-                    .promise(&mut self.global_promised, &lp.g, now, inc)
-            }
+            Layer::Global => self.policy.global(&self.shared).promise(
+                &mut self.global_promised,
+                &lp.g,
+                now,
+                nb,
+                inc,
+            ),
         }
     }
 

@@ -11,8 +11,9 @@ pub(super) struct SubjectExtra {
     /// Per-tool buckets (only tools that configure a rate); few per subject, so a vector beats a map.
     pub(super) tools: Vec<(Arc<str>, Bucket)>,
     pub(super) quota: QuotaCounter,
-    /// The last retry slot handed to a call refused for want of this subject's concurrency slots.
-    pub(super) slot_stagger: Nanos,
+    /// Slots promised to calls refused for want of this subject's concurrency slots (see
+    /// [`super::super::slots`]), in time order.
+    pub(super) slot_promises: Vec<SlotPromise>,
 }
 
 /// One subject's state: one cache line (see the `subject_state` tests), found by its name.

@@ -166,16 +166,46 @@ impl TenantEngine {
             .map(|(u, left)| (u.clone(), left))
     }
 
-    /// Refuses a call to an upstream in the penalty box. The first call refused is told the penalty's
-    /// end; each next one later, along the upstream's refill (see [`TenantEngine::upstream_slot`]).
-    pub(super) fn penalty(&mut self, r: &Resolved, now: Nanos) -> Option<Shed> {
+    /// Refuses a call to an upstream in the penalty box. The hint is a promise about the whole path:
+    /// the slot of the upstream's budget after the penalty ends (after the slots promised to calls
+    /// refused earlier), and a concurrency slot then. An upstream without a budget spreads its
+    /// refusals along the tenant's refill instead (see [`TenantEngine::upstream_slot`]).
+    pub(super) fn penalty(&mut self, r: &Resolved, plan: &[LayerPlan], now: Nanos) -> Option<Shed> {
         let (up, left) = self.longest_penalty(r, now)?;
-        let shared = self
-            .shared
-            .upstream(&up)
-            .filter(|_| self.is_shared_upstream(Some(&up)));
-        let slot = self.upstream_slot(r, &up, shared.as_deref(), now, left);
-        Some(self.make_shed(r, Some(&up), Scope::UpstreamPenalty, slot - now))
+        let end = now.saturating_add(left);
+        let mut promise: Option<Promise> = None;
+        for lp in plan {
+            if lp.layer == Layer::TenantUpstream && lp.upstream.as_ref() == Some(&up) {
+                let p = self.promise_layer(lp, r, now, end);
+                promise = Some(promise.map_or(p, |q| later_promise(q, p)));
+            }
+        }
+        let mut wait = match promise {
+            Some(Promise::Slot(w)) => w.max(left),
+            Some(Promise::Booked(w)) => self.spread_booked(w.max(left)),
+            None => {
+                let shared = self
+                    .shared
+                    .upstream(&up)
+                    .filter(|_| self.is_shared_upstream(Some(&up)));
+                self.upstream_slot(r, &up, shared.as_deref(), now, left) - now
+            }
+        };
+        if let Some((at, _)) = self.slot_promise(r, now, now.saturating_add(wait), false) {
+            wait = at - now;
+        }
+        let mut shed = self.make_shed(r, Some(&up), Scope::UpstreamPenalty, wait);
+        if matches!(promise, Some(Promise::Booked(_))) {
+            shed.message.push_str(refusal::LONG_WAIT);
+        }
+        Some(shed)
+    }
+
+    /// The hint for a call refused when every slot up to the promise horizon is promised: spread at
+    /// random over the horizon that follows `first` (the first slot past it), so that such callers do
+    /// not all come back at one instant. It is no promise; the text says the wait is long.
+    pub(super) fn spread_booked(&mut self, first: u64) -> u64 {
+        first.saturating_add(self.rng.below_or_eq(PROMISE_HORIZON))
     }
 
     /// Google SRE client-side throttling, per upstream the call spends.
