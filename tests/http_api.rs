@@ -400,7 +400,8 @@ fn calls_refused_together_by_a_penalty_or_full_slots_are_told_different_times() 
     }
     assert!(hints[5] >= hints[0] + 2_500, "not spread: {hints:?}");
 
-    // Concurrency: one slot, held; the refusals are told one average hold (1 s) apart.
+    // Concurrency: one slot, held; the refusals are promised the slot in turn, one expected run
+    // (1 s before any is reported) and a 50 ms margin apart.
     assert_eq!(d.admit(call("acme", "bot", "t")).status, 200);
     let hints: Vec<u64> = (0..3)
         .map(|_| {
@@ -409,9 +410,9 @@ fn calls_refused_together_by_a_penalty_or_full_slots_are_told_different_times() 
                 .unwrap()
         })
         .collect();
-    assert!((1..=1_100).contains(&hints[0]), "{hints:?}");
+    assert!((1..=1_150).contains(&hints[0]), "{hints:?}");
     for (k, h) in hints.iter().enumerate() {
-        assert!(*h <= 1_000 * (k as u64 + 1) + 100, "{k}: {hints:?}");
+        assert!(*h <= 1_050 * (k as u64 + 1) + 100, "{k}: {hints:?}");
     }
     assert!(hints[2] >= hints[0] + 1_000, "not spread: {hints:?}");
 }

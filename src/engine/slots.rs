@@ -93,7 +93,11 @@ impl RunTimeBook {
         self.by_call
             .get(&self.key(subject, tool))
             .and_then(RunTimes::p90)
-            .or_else(|| self.by_tool.get(&self.tool_key(tool)).and_then(RunTimes::p90))
+            .or_else(|| {
+                self.by_tool
+                    .get(&self.tool_key(tool))
+                    .and_then(RunTimes::p90)
+            })
             .unwrap_or(DEFAULT_RUN_NS)
     }
 }
@@ -232,8 +236,8 @@ mod tests {
         assert_eq!(
             told,
             vec![
-                1050, 1050, 1050, 1050, 2100, 2100, 2100, 2100, 3150, 3150, 3150, 3150, 4200,
-                4200, 4200, 4200
+                1050, 1050, 1050, 1050, 2100, 2100, 2100, 2100, 3150, 3150, 3150, 3150, 4200, 4200,
+                4200, 4200
             ]
         );
     }
@@ -257,14 +261,26 @@ mod tests {
     #[test]
     fn promises_are_taken_by_their_callers_and_expire_after_the_grace() {
         let mut promises = vec![
-            SlotPromise { at: 1000 * MS, run: MS },
-            SlotPromise { at: 2000 * MS, run: MS },
+            SlotPromise {
+                at: 1000 * MS,
+                run: MS,
+            },
+            SlotPromise {
+                at: 2000 * MS,
+                run: MS,
+            },
         ];
         // Before its time, a call taking a slot is not the promised caller.
         settle(&mut promises, 500 * MS, true);
         assert_eq!(promises.len(), 2);
         settle(&mut promises, 1000 * MS, true);
-        assert_eq!(promises, vec![SlotPromise { at: 2000 * MS, run: MS }]);
+        assert_eq!(
+            promises,
+            vec![SlotPromise {
+                at: 2000 * MS,
+                run: MS
+            }]
+        );
         // Its caller gave up: forgotten once the grace is over.
         settle(&mut promises, 2000 * MS + PROMISE_GRACE - MS, false);
         assert_eq!(promises.len(), 1);

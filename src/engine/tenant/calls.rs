@@ -94,7 +94,9 @@ impl TenantEngine {
             // was really held (the report, plus the round trips), whichever is longer.
             let start = l.charge.as_ref().map_or(l.created, |c| c.hold_until);
             let held = now.saturating_sub(start);
-            let reported = info.duration_ms.map_or(0, |ms| ms.saturating_mul(NS_PER_MS));
+            let reported = info
+                .duration_ms
+                .map_or(0, |ms| ms.saturating_mul(NS_PER_MS));
             self.run_times
                 .record(&l.subject, &l.tool, held.max(reported));
         }

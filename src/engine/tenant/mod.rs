@@ -31,9 +31,9 @@
 mod calls;
 mod interpret;
 mod plan;
+mod promises;
 mod snapshot;
 mod store;
-mod promises;
 mod subjects;
 mod upstream;
 

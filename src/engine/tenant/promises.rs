@@ -101,7 +101,10 @@ impl TenantEngine {
         self.waiters
             .iter()
             .filter(|w| subject.is_none_or(|s| *s == w.resolved.subject))
-            .map(|w| self.run_times.estimate(&w.resolved.subject, &w.resolved.tool))
+            .map(|w| {
+                self.run_times
+                    .estimate(&w.resolved.subject, &w.resolved.tool)
+            })
             .collect()
     }
 
@@ -110,7 +113,11 @@ impl TenantEngine {
         if !self.slot_promises.is_empty() {
             slots::settle(&mut self.slot_promises, now, true);
         }
-        if let Some(e) = self.subjects.get_mut(subject).and_then(|s| s.extra.as_mut()) {
+        if let Some(e) = self
+            .subjects
+            .get_mut(subject)
+            .and_then(|s| s.extra.as_mut())
+        {
             if !e.slot_promises.is_empty() {
                 slots::settle(&mut e.slot_promises, now, true);
             }

@@ -199,10 +199,7 @@ impl TenantEngine {
                         };
                         later_promise(fair, shared)
                     }
-                    None => self
-                        .upstream_mut(&name)
-                        .bucket
-                        .promise(&lp.g, now, nb, inc),
+                    None => self.upstream_mut(&name).bucket.promise(&lp.g, now, nb, inc),
                 }
             }
             Layer::Global => self.policy.global(&self.shared).promise(
