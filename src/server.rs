@@ -137,6 +137,7 @@ async fn run(config: Config) -> Result<(), String> {
         global: global.clone(),
         metrics: telemetry.as_ref().map(|t| t.render_metrics.clone()),
         alerts: telemetry.as_ref().map(|t| t.render_alerts.clone()),
+        edge: Default::default(),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -363,6 +363,25 @@ impl Handler<CancelLease> for TenantActor {
     }
 }
 
+/// End the lease of a call admitted by the edge check at once: the gateway cannot release it, so
+/// the call holds no concurrency slot and reports nothing about its upstream. What it spent on the
+/// rate layers stays spent, and it stays counted as admitted.
+#[derive(Message, Clone)]
+#[rtype(result = "()")]
+pub struct EndEdgeLease(pub u64);
+
+impl Handler<EndEdgeLease> for TenantActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: EndEdgeLease, _: &mut Context<Self>) {
+        let (now, wall) = self.now();
+        // Decided without a hold (the edge never waits), so there is no charge to refund.
+        if let Ok(granted) = self.engine.cancel_lease(msg.0, now, wall) {
+            self.deliver(granted);
+        }
+    }
+}
+
 /// Drop a queued call whose caller went away.
 #[derive(Message, Clone)]
 #[rtype(result = "()")]

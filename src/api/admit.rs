@@ -558,7 +558,7 @@ fn write_admitted(b: &AdmittedBody) -> Vec<u8> {
     out
 }
 
-fn answer(
+pub(super) fn answer(
     tenant: Arc<str>,
     d: &Decision,
     call_id: Option<String>,

@@ -163,6 +163,8 @@ pub struct Head {
     pub content_length: Header<u64>,
     /// The W3C `traceparent` header, read only when spans are exported.
     pub traceparent: Option<String>,
+    /// Every header, for the edge check only (see [`super::service`]).
+    pub edge: Option<Box<HeaderMap>>,
 }
 
 /// Looked up by a ready name: by a `&str` the map would parse and validate the name on every call.
@@ -174,6 +176,7 @@ impl Head {
         content_type: Header::Absent,
         content_length: Header::Absent,
         traceparent: None,
+        edge: None,
     };
 
     /// Reads the headers; `traceparent` only when `traced` (spans are exported).
@@ -189,6 +192,7 @@ impl Head {
             traceparent: traced
                 .then(|| headers.get(&TRACEPARENT)?.to_str().ok().map(str::to_owned))
                 .flatten(),
+            edge: None,
         }
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod admit;
 pub mod body;
+pub mod edge;
 pub mod error;
 pub mod inflight;
 pub mod lease;
@@ -46,6 +47,8 @@ pub struct App {
     pub metrics: Option<Arc<dyn Fn() -> String + Send + Sync>>,
     /// Renders `GET /v1/alerts`, when the alert evaluator runs.
     pub alerts: Option<Arc<dyn Fn() -> serde_json::Value + Send + Sync>>,
+    /// Failed edge authentications per client address (`GET /v1/edge/check`).
+    pub edge: edge::FailedAuth,
 }
 
 /// A JSON response with the given status (the body as bytes: a `Vec<u8>`, or a static `&[u8]`).
@@ -127,8 +130,13 @@ where
     type Future = WithHead<S::Future>;
 
     fn call(&self, req: warp::http::Request<hyper::body::Incoming>) -> Self::Future {
+        let mut head = body::Head::read(req.headers(), self.traced);
+        // The edge check reads many headers, some named by the config: it gets a copy of them all.
+        if edge::is_edge_path(req.uri().path()) {
+            head.edge = Some(Box::new(req.headers().clone()));
+        }
         WithHead {
-            head: Some(body::Head::read(req.headers(), self.traced)),
+            head: Some(head),
             // warp's service is always ready (its `poll_ready` returns `Ready` without looking).
             inner: Box::pin(self.warp.clone().call(req)),
         }
@@ -245,6 +253,8 @@ where
             body::read_limited(body).await?;
             Box::pin(reload_answer(app)).await
         }
+        // Any method: Envoy's ext_authz sends the original request's.
+        p if edge::is_edge_path(p) => Ok(Box::pin(edge::check(app, method, head.edge)).await),
         p if get && p.starts_with("/v1/tenants/") => {
             Box::pin(tenant_snapshot(app, &p["/v1/tenants/".len()..])).await
         }

@@ -16,6 +16,7 @@
 //! [`Config`], and a `Validator` method that checks it with the shared helpers (`rate`, `duration`,
 //! `count`, `err`) and is called from `Validator::config`.
 
+mod edge;
 mod model;
 mod raw;
 pub mod units;
@@ -25,6 +26,7 @@ use std::fmt;
 use std::path::Path;
 
 pub use crate::api::check_name;
+pub use edge::{ApiKey, EdgeConfig, JwtConfig, JwtKeys, Secret};
 pub use model::*;
 pub use units::{parse_duration, parse_rate, Rate};
 pub use validate::MAX_REFILL_YEARS;

@@ -314,6 +314,8 @@ pub struct Config {
     pub upstreams: HashMap<String, UpstreamConfig>,
     pub telemetry: TelemetryConfig,
     pub alerts: AlertsConfig,
+    /// `[edge]`: the gateway check; off (the route answers 404) when the section is absent.
+    pub edge: Option<super::EdgeConfig>,
 }
 
 /// `[tenants.NAME]`.
@@ -379,6 +381,7 @@ impl Default for Config {
                 clear_ratio: 0.4,
                 alertmanager_url: None,
             },
+            edge: None,
         }
     }
 }

@@ -93,6 +93,7 @@ pub(super) struct RawConfig {
     pub(super) upstreams: Option<BTreeMap<String, S<RawUpstream>>>,
     pub(super) telemetry: Option<RawTelemetry>,
     pub(super) alerts: Option<RawAlerts>,
+    pub(super) edge: Option<super::edge::RawEdge>,
 }
 
 #[derive(Deserialize, Default)]

@@ -408,6 +408,9 @@ impl Validator<'_> {
         if let Some(a) = raw.alerts {
             first.note(self.alerts(a, &mut cfg.alerts));
         }
+        if let Some(e) = raw.edge {
+            cfg.edge = first.note(self.edge(e));
+        }
 
         first.or(cfg)
     }
