@@ -1,12 +1,11 @@
 //! The command line: `admitd serve` and `admitd check`.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::Config;
+use crate::config::{Config, ListenAddr};
 
 /// Admission control for MCP tool servers: per-tenant rate limits, concurrency caps and quotas for AI
 /// agent traffic, with refusals a model can act on.
@@ -24,9 +23,10 @@ pub enum Command {
         /// TOML config file (every key is described in docs/configuration.md).
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
-        /// Address to listen on; overrides `listen` in the config's `[server]` section.
+        /// Address to listen on (`HOST:PORT` or `unix:/PATH`). Wins over `listen` in the config's
+        /// `[server]` section, and says so in the log when the two differ.
         #[arg(long, value_name = "ADDR")]
-        listen: Option<SocketAddr>,
+        listen: Option<ListenAddr>,
     },
     /// Validate a config file and exit: 0 when valid, 1 with FILE:LINE: message otherwise.
     Check {
@@ -81,11 +81,22 @@ pub fn main() -> ExitCode {
                 },
                 None => Config::default(),
             };
+            // The file's own `listen`, before the command line replaces it.
+            let from_file = cfg.server.listen_in_file.then(|| cfg.server.listen.clone());
             if let Some(addr) = listen {
-                cfg.server.listen = addr;
+                cfg.server.listen = addr.clone();
                 cfg.listen_override = Some(addr);
             }
             init_logging();
+            if let (Some(file_addr), Some(addr)) = (from_file, &cfg.listen_override) {
+                if &file_addr != addr {
+                    tracing::warn!(
+                        listen = %addr,
+                        config_listen = %file_addr,
+                        "--listen overrides server.listen of the config file"
+                    );
+                }
+            }
             match crate::server::serve(cfg) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

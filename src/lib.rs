@@ -18,3 +18,5 @@ pub mod engine;
 mod prefetch;
 pub mod server;
 pub mod telemetry;
+#[cfg(unix)]
+pub mod unix_socket;

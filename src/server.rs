@@ -10,7 +10,6 @@
 //! telemetry actors get an arbiter of their own. docs/BENCHMARKS.md measures this layout against the
 //! alternatives.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,8 +18,88 @@ use actix::prelude::*;
 use crate::actors::{GlobalActor, Shared};
 use crate::api::{self, App};
 use crate::clock::{Clock, SystemClock};
-use crate::config::Config;
+use crate::config::{Config, ListenAddr};
 use crate::telemetry;
+
+/// A listening socket that hands out connections: TCP, or a Unix domain socket.
+trait Acceptor {
+    type Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    fn accept_io(&self) -> impl std::future::Future<Output = std::io::Result<Self::Io>>;
+}
+
+impl Acceptor for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn accept_io(&self) -> std::io::Result<Self::Io> {
+        self.accept().await.map(|(io, _)| io)
+    }
+}
+
+#[cfg(unix)]
+impl Acceptor for tokio::net::UnixListener {
+    type Io = tokio::net::UnixStream;
+    async fn accept_io(&self) -> std::io::Result<Self::Io> {
+        self.accept().await.map(|(io, _)| io)
+    }
+}
+
+/// The bound socket, before each worker takes a copy.
+enum Bound {
+    Tcp(std::net::TcpListener),
+    #[cfg(unix)]
+    Unix(std::os::unix::net::UnixListener),
+}
+
+impl Bound {
+    fn try_clone(&self) -> std::io::Result<Bound> {
+        Ok(match self {
+            Bound::Tcp(l) => Bound::Tcp(l.try_clone()?),
+            #[cfg(unix)]
+            Bound::Unix(l) => Bound::Unix(l.try_clone()?),
+        })
+    }
+}
+
+/// Binds `listen`. A Unix socket gets its file mode and group before anyone can connect.
+fn bind(config: &Config) -> Result<(Bound, String), String> {
+    match &config.server.listen {
+        ListenAddr::Tcp(addr) => {
+            let l = std::net::TcpListener::bind(addr)
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            l.set_nonblocking(true)
+                .map_err(|e| format!("cannot configure the socket on {addr}: {e}"))?;
+            let local = l
+                .local_addr()
+                .map_err(|e| format!("cannot read the bound address: {e}"))?;
+            Ok((Bound::Tcp(l), local.to_string()))
+        }
+        #[cfg(unix)]
+        ListenAddr::Unix(path) => {
+            let l = crate::unix_socket::bind(path, &config.server.socket)?;
+            Ok((Bound::Unix(l), config.server.listen.to_string()))
+        }
+        #[cfg(not(unix))]
+        ListenAddr::Unix(_) => Err("Unix domain sockets need a Unix system".to_string()),
+    }
+}
+
+/// Serves on this worker's copy of the bound socket until `stop`.
+async fn serve_bound(bound: Bound, app: Arc<App>, stop: impl std::future::Future<Output = ()>) {
+    let not_taken = |e: std::io::Error| tracing::error!(error = %e, "a worker could not take the listening socket");
+    match bound {
+        Bound::Tcp(l) => match tokio::net::TcpListener::from_std(l) {
+            Ok(l) => serve_http(l, app, stop).await,
+            Err(e) => not_taken(e),
+        },
+        #[cfg(unix)]
+        Bound::Unix(l) => match l
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixListener::from_std(l))
+        {
+            Ok(l) => serve_http(l, app, stop).await,
+            Err(e) => not_taken(e),
+        },
+    }
+}
 
 /// Accepts connections on `listener` and serves the API on each until `stop` completes, then lets the
 /// open connections finish the request in hand and close.
@@ -34,8 +113,8 @@ use crate::telemetry;
 /// queue and the actor in the `LocalSet`'s, each request went through the scheduler twice, and the
 /// worker polled the socket driver in between (an extra `epoll_wait` per request at moderate load;
 /// see docs/BENCHMARKS.md).
-async fn serve_http(
-    listener: tokio::net::TcpListener,
+async fn serve_http<L: Acceptor>(
+    listener: L,
     app: Arc<App>,
     stop: impl std::future::Future<Output = ()>,
 ) {
@@ -52,8 +131,8 @@ async fn serve_http(
     builder.http1().writev(false);
     let mut stop = std::pin::pin!(stop);
     loop {
-        let (io, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
+        let io = tokio::select! {
+            accepted = listener.accept_io() => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
                     accept_failed(e).await;
@@ -105,16 +184,11 @@ pub fn serve(config: Config) -> Result<(), String> {
 }
 
 async fn run(config: Config) -> Result<(), String> {
-    let addr: SocketAddr = config.server.listen;
-    let listener =
-        std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| format!("cannot configure the socket on {addr}: {e}"))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+    let addr = config.server.listen.clone();
+    let (listener, local) = bind(&config)?;
+    crate::api::auth::warn_if_exposed(&config);
 
+    telemetry::set_identity_key(config.telemetry.identity_key.as_ref());
     let workers = config.worker_count();
     let arbiters: Vec<Arbiter> = (0..workers)
         .map(|_| Arbiter::try_new().map_err(|e| format!("cannot start a worker thread: {e}")))
@@ -171,17 +245,10 @@ async fn run(config: Config) -> Result<(), String> {
         let mut stop = stop_rx.clone();
         let done = done_tx.clone();
         arbiter.spawn(async move {
-            match tokio::net::TcpListener::from_std(listener) {
-                Ok(listener) => {
-                    serve_http(listener, app, async move {
-                        let _ = stop.wait_for(|s| *s).await;
-                    })
-                    .await
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "a worker could not take the listening socket")
-                }
-            }
+            serve_bound(listener, app, async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })
+            .await;
             let _ = done.send(()).await;
         });
     }
@@ -215,6 +282,10 @@ async fn run(config: Config) -> Result<(), String> {
         tokio::time::timeout_at(closed, async { while done_rx.recv().await.is_some() {} }).await;
     for arbiter in arbiters {
         arbiter.stop();
+    }
+    #[cfg(unix)]
+    if let ListenAddr::Unix(path) = &addr {
+        crate::unix_socket::remove(path);
     }
     if let Some(telemetry) = telemetry {
         telemetry.arbiter.stop();

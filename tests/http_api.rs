@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{eventually, Daemon};
+use common::{eventually, with_admin, Daemon};
 use serde_json::{json, Value};
 
 fn call(tenant: &str, subject: &str, tool: &str) -> Value {
@@ -280,18 +280,31 @@ fn operations_routes() {
     assert!(buckets.iter().any(|b| b["layer"] == "tenant"));
     assert!(s.body["penalties"].as_array().unwrap().is_empty());
 
-    // The reload route takes no body, but one over 64 KiB is refused as anywhere else.
-    let big = d.post_raw("/v1/admin/reload", "text/plain", vec![b'x'; 70_000]);
-    assert_eq!(
-        (big.status, big.body["error"].as_str()),
-        (413, Some("body_too_large"))
-    );
-    // Without a config file there is nothing to reload.
+    // Over TCP without an admin token the admin routes are closed.
     let rl = d.post("/v1/admin/reload", json!({}));
     assert_eq!(
         (rl.status, rl.body["error"].as_str()),
-        (409, Some("no_config_file"))
+        (403, Some("forbidden"))
     );
+}
+
+#[test]
+fn the_reload_route_refuses_a_body_over_the_limit() {
+    let d = Daemon::start(&with_admin(""));
+    // The reload route takes no body, but one over 64 KiB is refused as anywhere else.
+    let r = d
+        .client
+        .post(d.url("/v1/admin/reload"))
+        .header("content-type", "text/plain")
+        .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
+        .body(vec![b'x'; 70_000])
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    let body: Value = r.json().unwrap();
+    assert_eq!(body["error"], "body_too_large");
+    let rl = d.post_admin("/v1/admin/reload", json!({}));
+    assert_eq!(rl.status, 200, "{:?}", rl.body);
 }
 
 const UPSTREAMS: &str = r#"
@@ -661,7 +674,7 @@ fn subject_tokens(d: &Daemon) -> u64 {
 
 #[test]
 fn reload_swaps_policy_without_resetting_state() {
-    let d = Daemon::start(RELOAD_BEFORE);
+    let d = Daemon::start(&with_admin(RELOAD_BEFORE));
     let lease = d.admit(call("t", "s", "x")).body["lease_id"]
         .as_str()
         .unwrap()
@@ -671,8 +684,8 @@ fn reload_swaps_policy_without_resetting_state() {
     }
     assert_eq!(subject_tokens(&d), 2);
 
-    d.rewrite_config(RELOAD_AFTER);
-    let r = d.post("/v1/admin/reload", json!({}));
+    d.rewrite_config(&with_admin(RELOAD_AFTER));
+    let r = d.post_admin("/v1/admin/reload", json!({}));
     assert_eq!(r.status, 200, "{:?}", r.body);
     assert_eq!(r.body["reloaded"], true);
     // The daemon runs with --listen, which a reload keeps: nothing needs a restart.
@@ -687,7 +700,7 @@ fn reload_swaps_policy_without_resetting_state() {
 
     // A broken file is refused with FILE:LINE and the running config stays.
     d.rewrite_config("[limits.subject]\nrate = \"5/mins\"\n");
-    let bad = d.post("/v1/admin/reload", json!({}));
+    let bad = d.post_admin("/v1/admin/reload", json!({}));
     assert_eq!(bad.status, 400);
     assert_eq!(bad.body["error"], "invalid_config");
     let msg = bad.body["message"].as_str().unwrap();
@@ -704,10 +717,10 @@ fn reload_swaps_policy_without_resetting_state() {
 /// change undone by the next reload needs no restart.
 #[test]
 fn a_reload_asks_for_a_restart_only_while_the_file_differs_from_the_running_process() {
-    let d = Daemon::start("[server]\nworkers = 1\n");
+    let d = Daemon::start(&with_admin("[server]\nworkers = 1\n"));
     let reload = |text: &str| {
-        d.rewrite_config(text);
-        let r = d.post("/v1/admin/reload", json!({}));
+        d.rewrite_config(&with_admin(text));
+        let r = d.post_admin("/v1/admin/reload", json!({}));
         assert_eq!(r.status, 200, "{:?}", r.body);
         r.body["restart_required"].clone()
     };

@@ -14,7 +14,7 @@
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
-use warp::http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use warp::http::header::{HeaderName, HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
 use warp::http::{HeaderMap, StatusCode};
 
 use super::error::ApiError;
@@ -165,6 +165,8 @@ pub struct Head {
     pub traceparent: Option<String>,
     /// Every header, for the edge check only (see [`super::service`]).
     pub edge: Option<Box<HeaderMap>>,
+    /// `Authorization`, as sent (a reference-counted copy), for [`super::auth`].
+    pub authorization: Option<HeaderValue>,
 }
 
 /// Looked up by a ready name: by a `&str` the map would parse and validate the name on every call.
@@ -177,6 +179,7 @@ impl Head {
         content_length: Header::Absent,
         traceparent: None,
         edge: None,
+        authorization: None,
     };
 
     /// Reads the headers; `traceparent` only when `traced` (spans are exported).
@@ -193,6 +196,7 @@ impl Head {
                 .then(|| headers.get(&TRACEPARENT)?.to_str().ok().map(str::to_owned))
                 .flatten(),
             edge: None,
+            authorization: headers.get(AUTHORIZATION).cloned(),
         }
     }
 }

@@ -7,6 +7,7 @@
 //! routes behind the headers they read, taken from the request beforehand.
 
 pub mod admit;
+pub mod auth;
 pub mod body;
 pub mod edge;
 pub mod error;
@@ -212,6 +213,27 @@ where
     // HEAD is GET without the body (hyper leaves the body out), as HTTP asks of every GET route.
     let get = method == Method::GET || method == Method::HEAD;
     let post = method == Method::POST;
+    let class = auth::class(path);
+    if class != auth::Class::Open {
+        let unix_only = app.shared.started.server.listen.is_unix();
+        let checked = auth::check(
+            &app.shared.config.load().server.auth,
+            class,
+            head.authorization.as_ref(),
+            unix_only,
+        );
+        if let Err(e) = checked {
+            let unauthorized = e.status == StatusCode::UNAUTHORIZED;
+            let mut r = e.into_response();
+            if unauthorized {
+                r.headers_mut().insert(
+                    warp::http::header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer"),
+                );
+            }
+            return Ok(r);
+        }
+    }
     match path {
         "/v1/admit" if post => {
             let bytes = json_body(&head, body).await?;
@@ -546,9 +568,9 @@ pub async fn reload(
             )
         })?;
     let mut new = new;
-    if let Some(addr) = current.listen_override {
-        new.server.listen = addr;
-        new.listen_override = Some(addr);
+    if let Some(addr) = &current.listen_override {
+        new.server.listen = addr.clone();
+        new.listen_override = Some(addr.clone());
     }
     // Against what the process runs with, not the last file read: a key changed by one reload and
     // changed back by the next needs no restart.
@@ -557,12 +579,16 @@ pub async fn reload(
     if new.server.listen != running.server.listen {
         restart.push("server.listen");
     }
+    if new.server.listen.is_unix() && new.server.socket != running.server.socket {
+        restart.push("server.socket_mode/socket_group");
+    }
     if new.worker_count() != running.worker_count() {
         restart.push("server.workers");
     }
     if new.telemetry.otlp != running.telemetry.otlp {
         restart.push("telemetry.otlp");
     }
+    crate::telemetry::set_identity_key(new.telemetry.identity_key.as_ref());
     global
         .send(Reconfigure(new))
         .await

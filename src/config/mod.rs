@@ -17,8 +17,10 @@
 //! `count`, `err`) and is called from `Validator::config`.
 
 mod edge;
+pub mod listen;
 mod model;
 mod raw;
+pub mod server_auth;
 pub mod units;
 mod validate;
 
@@ -27,7 +29,9 @@ use std::path::Path;
 
 pub use crate::api::check_name;
 pub use edge::{ApiKey, EdgeConfig, JwtConfig, JwtKeys, Secret};
+pub use listen::{ListenAddr, SocketOptions};
 pub use model::*;
+pub use server_auth::{IdentityKey, ServerAuth};
 pub use units::{parse_duration, parse_rate, Rate};
 pub use validate::MAX_REFILL_YEARS;
 

@@ -210,7 +210,13 @@ impl Default for Adaptive {
 /// `[server]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
-    pub listen: SocketAddr,
+    pub listen: super::ListenAddr,
+    /// Whether the file sets `listen` itself (else it is the default).
+    pub listen_in_file: bool,
+    /// Mode and group of the Unix socket file, when `listen` is one.
+    pub socket: super::SocketOptions,
+    /// Caller, admin and metrics tokens.
+    pub auth: super::ServerAuth,
     pub mode: Mode,
     /// Longest hold before shedding.
     pub max_wait: Duration,
@@ -236,6 +242,8 @@ pub struct TelemetryConfig {
     /// Metrics, spans, the refusal log and alerts; `false` turns all of them off (to measure what they
     /// cost, or where none is wanted).
     pub enabled: bool,
+    /// `hash_identities = true`: the key of the keyed identity hashes in logs and spans.
+    pub identity_key: Option<super::IdentityKey>,
 }
 
 /// Spans recorded per second at most, by default: every call of a daemon deciding at a few hundred
@@ -305,7 +313,7 @@ pub struct Config {
     /// The file it came from, for reloads and messages; `None` for built-in defaults.
     pub path: Option<String>,
     /// `--listen` from the command line, which wins over the file's `[server] listen` on reloads too.
-    pub listen_override: Option<SocketAddr>,
+    pub listen_override: Option<super::ListenAddr>,
     pub server: ServerConfig,
     pub limits: Limits,
     pub plans: HashMap<String, Plan>,
@@ -337,7 +345,10 @@ impl Default for Config {
             path: None,
             listen_override: None,
             server: ServerConfig {
-                listen: SocketAddr::from(([127, 0, 0, 1], 9470)),
+                listen: super::ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 9470))),
+                listen_in_file: false,
+                socket: super::SocketOptions::default(),
+                auth: super::ServerAuth::default(),
                 mode: Mode::Enforce,
                 max_wait: Duration::from_secs(2),
                 lease_ttl: Duration::from_secs(300),
@@ -372,6 +383,7 @@ impl Default for Config {
                 otlp: None,
                 refusal_log_per_sec: 20.0,
                 enabled: true,
+                identity_key: None,
             },
             alerts: AlertsConfig {
                 shed_ratio: 0.5,

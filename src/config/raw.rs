@@ -100,6 +100,11 @@ pub(super) struct RawConfig {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawServer {
     pub(super) listen: Option<S<String>>,
+    pub(super) socket_mode: Option<S<String>>,
+    pub(super) socket_group: Option<S<String>>,
+    pub(super) api_tokens_sha256: Option<S<Vec<S<String>>>>,
+    pub(super) admin_token_sha256: Option<S<String>>,
+    pub(super) metrics_token_sha256: Option<S<String>>,
     pub(super) mode: Option<S<String>>,
     pub(super) max_wait: Option<S<String>>,
     pub(super) lease_ttl: Option<S<String>>,
@@ -174,6 +179,9 @@ pub(super) struct RawTelemetry {
     pub(super) max_subjects_total: Option<S<i64>>,
     pub(super) refusal_log_per_sec: Option<S<f64>>,
     pub(super) enabled: Option<bool>,
+    pub(super) hash_identities: Option<S<bool>>,
+    pub(super) hash_key_file: Option<S<String>>,
+    pub(super) hash_key_env: Option<S<String>>,
     pub(super) otlp: Option<RawOtlp>,
 }
 

@@ -417,20 +417,8 @@ impl Validator<'_> {
 
     /// `[server]`, over the defaults in `out`.
     pub(super) fn server(&self, s: RawServer, out: &mut ServerConfig) -> Result<(), ConfigError> {
-        if let Some(v) = s.listen {
-            out.listen = match v.get_ref().parse() {
-                Ok(a) => a,
-                Err(_) => {
-                    return self.err(
-                        v.span(),
-                        format!(
-                            "server.listen: {:?} is not an address such as \"127.0.0.1:9470\"",
-                            v.get_ref()
-                        ),
-                    )
-                }
-            };
-        }
+        self.listen(&s, out)?;
+        self.server_auth(&s, &mut out.auth)?;
         if let Some(v) = s.mode {
             out.mode = match v.get_ref().as_str() {
                 "enforce" => Mode::Enforce,
@@ -619,6 +607,7 @@ impl Validator<'_> {
         t: RawTelemetry,
         out: &mut TelemetryConfig,
     ) -> Result<(), ConfigError> {
+        out.identity_key = self.identity_key(&t)?;
         if let Some(v) = t.enabled {
             out.enabled = v;
         }

@@ -37,10 +37,44 @@ use crate::engine::{Scope, TenantGauges};
 /// Mailbox size of each telemetry actor: about a second of events at full load.
 pub const MAILBOX: usize = 65_536;
 
-/// A stable pseudonym for an identity in logs and spans (FNV-1a 64, hex). Not a secret: it keeps
-/// credential subjects out of log pipelines while letting operators correlate lines.
+/// A stable pseudonym for an identity in logs and spans, as 16 hex digits: [`identity_hash`].
 pub fn hash_identity(s: &str) -> String {
-    hex16(fnv1a(s))
+    hex16(identity_hash(s))
+}
+
+/// The keyed hash of `[telemetry] hash_identities`: HMAC-SHA-256 under the operator's key, set
+/// process-wide at start and on reload ([`set_identity_key`]), so every log line and span
+/// attribute uses the same one.
+static IDENTITY_KEY: arc_swap::ArcSwapOption<hmac::Hmac<sha2::Sha256>> =
+    arc_swap::ArcSwapOption::const_empty();
+
+/// Installs (or, with `None`, removes) the identity hash key.
+pub fn set_identity_key(key: Option<&crate::config::IdentityKey>) {
+    use hmac::Mac;
+    let mac = key.and_then(|k| hmac::Hmac::<sha2::Sha256>::new_from_slice(&k.0).ok());
+    IDENTITY_KEY.store(mac.map(Arc::new));
+}
+
+/// The number an identity is shown as. With a key (`hash_identities = true`): the first 64 bits
+/// of HMAC-SHA-256(key, identity), which nobody without the key can compute from a guessed name.
+/// Without one: FNV-1a 64, a pseudonym that keeps the names out of log pipelines but that anyone
+/// can recompute for a name they guess.
+pub fn identity_hash(s: &str) -> u64 {
+    match &*IDENTITY_KEY.load() {
+        Some(mac) => keyed_hash(mac, s),
+        None => fnv1a(s),
+    }
+}
+
+/// The first 64 bits of the HMAC of `s` under the key `mac` was made with.
+fn keyed_hash(mac: &hmac::Hmac<sha2::Sha256>, s: &str) -> u64 {
+    use hmac::Mac;
+    let mut m = mac.clone();
+    m.update(s.as_bytes());
+    let out = m.finalize().into_bytes();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&out[..8]);
+    u64::from_be_bytes(first)
 }
 
 /// FNV-1a 64 of a string: the number [`hash_identity`] spells.
@@ -598,7 +632,7 @@ pub(crate) fn series_value(text: &str, series: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::names::{self, MetricKind, METRIC_HELP};
-    use super::{hash_identity, histogram, render, Throttle};
+    use super::{fnv1a, hash_identity, hex16, histogram, keyed_hash, render, Throttle};
     use crate::clock::NS_PER_SEC;
 
     /// Every metric name constant in names.rs (its `admitd_` strings), read from the source, so a
@@ -717,6 +751,20 @@ mod tests {
     fn a_decision_event_carries_span_fields_behind_one_pointer() {
         assert!(std::mem::size_of::<super::DecisionEvent>() <= 160);
         assert!(std::mem::size_of::<super::Event>() <= 160);
+    }
+
+    #[test]
+    fn keyed_identity_hashes_are_the_hmac_sha256_of_the_identity() {
+        use hmac::Mac;
+        // RFC 4231 test case 2: key "Jefe", data "what do ya want for nothing?".
+        let mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(b"Jefe").unwrap();
+        assert_eq!(
+            hex16(keyed_hash(&mac, "what do ya want for nothing?")),
+            "5bdcc146bf60754e"
+        );
+        let other = hmac::Hmac::<sha2::Sha256>::new_from_slice(b"Jeff").unwrap();
+        assert_ne!(keyed_hash(&mac, "agent-7"), keyed_hash(&other, "agent-7"));
+        assert_ne!(keyed_hash(&mac, "agent-7"), fnv1a("agent-7"));
     }
 
     #[test]

@@ -151,6 +151,24 @@ impl Daemon {
         Self::answer(r)
     }
 
+    /// POSTs with `Authorization: Bearer TOKEN`.
+    pub fn post_with_token(&self, path: &str, token: &str, body: Value) -> Answer {
+        let r = self
+            .client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {token}"))
+            .body(body.to_string())
+            .send()
+            .expect("request");
+        Self::answer(r)
+    }
+
+    /// POSTs to an admin route with [`ADMIN_TOKEN`].
+    pub fn post_admin(&self, path: &str, body: Value) -> Answer {
+        self.post_with_token(path, ADMIN_TOKEN, body)
+    }
+
     pub fn get(&self, path: &str) -> Answer {
         Self::answer(self.client.get(self.url(path)).send().expect("request"))
     }
@@ -224,6 +242,31 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The admin token of [`with_admin`] configs.
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+
+/// `text` with `[server] admin_token_sha256` set to the digest of [`ADMIN_TOKEN`], so that the
+/// admin routes answer over TCP.
+pub fn with_admin(text: &str) -> String {
+    let line = format!("admin_token_sha256 = \"{}\"\n", sha256_hex(ADMIN_TOKEN));
+    match text.find("[server]\n") {
+        Some(at) => {
+            let end = at + "[server]\n".len();
+            format!("{}{line}{}", &text[..end], &text[end..])
+        }
+        None => format!("[server]\n{line}{text}"),
+    }
+}
+
+/// SHA-256 of `s` as 64 hex digits.
+pub fn sha256_hex(s: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(s.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Waits until `f` is true, polling, for at most `limit`.

@@ -196,7 +196,7 @@ impl SpanActor {
                 tenant: d.tenant.clone(),
                 tool: d.tool.clone(),
                 upstream: d.upstream.clone(),
-                subject_hash: super::fnv1a(&d.subject),
+                subject_hash: super::identity_hash(&d.subject),
                 call_id: d.call_id.clone(),
             },
             cost: d.cost,
