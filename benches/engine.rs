@@ -107,6 +107,7 @@ fn request(subject: &str, tool: &str) -> AdmitRequest {
         upstream: None,
         cost: None,
         max_wait_ns: MAX_WAIT_NS,
+        returning: false,
     }
 }
 

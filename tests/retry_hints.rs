@@ -399,7 +399,7 @@ fn a_call_allowed_to_wait_does_not_take_a_slot_promised_earlier() {
         retry.body
     );
     // The waiting call is served by the daemon after the promised slot (held, then admitted).
-    assert_eq!(held.status, 200, "{:?}", held.body);
+    assert_eq!(held.status, 200, "{:?} {:?}", held.body, held.headers);
     assert!(
         after >= Duration::from_millis(promised + 400),
         "admitted after {after:?}, before the slot after the promise"

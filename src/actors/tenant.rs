@@ -677,6 +677,7 @@ mod tests {
             upstream: None,
             cost: None,
             max_wait_ns: 0,
+            returning: false,
         }
     }
 

@@ -100,6 +100,7 @@ pub async fn admit(
         upstream: b.upstream.as_deref().map(CompactString::from),
         cost: None,
         max_wait_ns: 0,
+        returning: false,
     };
     let tenant = &*b.tenant;
     let call_id = b.call_id.take();
@@ -220,6 +221,7 @@ async fn wait_for_promise(
 ) -> Result<AdmitReply, ApiError> {
     tokio::time::sleep(Duration::from_nanos(wait_ns)).await;
     req.max_wait_ns = req.max_wait_ns.saturating_sub(wait_ns);
+    req.returning = true;
     let mut reply = shared.admit(tenant, req, shared.clock.mono()).await?;
     // The wait counts as waited, as a hold would.
     let waited = shared.clock.mono().saturating_sub(started);

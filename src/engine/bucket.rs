@@ -249,8 +249,23 @@ impl Bucket {
     /// held only if no earlier promise is waiting for the tokens it would reserve: a hold jumping
     /// ahead of promised callers would take the slot one of them was told to come back for.
     pub fn take(&mut self, g: &Gcra, now: Nanos, inc: u64, max_wait: u64) -> Take {
+        self.take_as(g, now, inc, max_wait, false)
+    }
+
+    /// [`Bucket::take`] for a caller that may be `returning` for a slot promised to it: such a call
+    /// may be held into promised tokens, its own among them (it comes back a little before the
+    /// bucket has its token when an earlier promised caller came back late).
+    pub fn take_as(
+        &mut self,
+        g: &Gcra,
+        now: Nanos,
+        inc: u64,
+        max_wait: u64,
+        returning: bool,
+    ) -> Take {
         let short = shortfall(self.tat, now, inc, g.tau);
-        if short > max_wait || (short > 0 && self.promises_waiting(g, now, 0)) {
+        let behind_promises = short > 0 && !returning && self.promises_waiting(g, now, 0);
+        if short > max_wait || behind_promises {
             return Take::Short { shortfall: short };
         }
         self.tat = self.tat.max(now).saturating_add(inc);
@@ -657,6 +672,32 @@ mod tests {
             b.take(&g, NS_PER_SEC, inc, NS_PER_SEC),
             Take::Ok {
                 wait: 500 * NS_PER_MS
+            }
+        );
+    }
+
+    #[test]
+    fn a_caller_returning_for_its_promise_is_held_when_an_earlier_one_came_back_late() {
+        // Burst 1 at 2/s: two callers promised the slots at 500 ms and 1 s.
+        let g = g(2.0, 1.0);
+        let mut b = Bucket::default();
+        let inc = g.increment(1.0);
+        b.take(&g, 0, inc, 0);
+        assert_eq!(b.promise(&g, 0, 0, inc), Promise::Slot(500 * NS_PER_MS));
+        assert_eq!(b.promise(&g, 0, 0, inc), Promise::Slot(NS_PER_SEC));
+        // The first comes back 20 ms late: a full bucket of one token could not keep those 20 ms.
+        assert_eq!(b.take(&g, 520 * NS_PER_MS, inc, 0), Take::Ok { wait: 0 });
+        // The second, on time, is 20 ms early for the token. Any other call would not be held into
+        // a promised token; the caller returning for its own is.
+        let t = NS_PER_SEC;
+        assert!(matches!(
+            b.take_as(&g, t, inc, NS_PER_SEC, false),
+            Take::Short { .. }
+        ));
+        assert_eq!(
+            b.take_as(&g, t, inc, NS_PER_SEC, true),
+            Take::Ok {
+                wait: 20 * NS_PER_MS
             }
         );
     }

@@ -55,6 +55,7 @@ pub fn never_fitting_tools(cfg: &Arc<Config>) -> Vec<NeverFits> {
                 upstream: None,
                 cost: None,
                 max_wait_ns: 0,
+                returning: false,
             };
             if let Some((cost, limit)) = engine.never_fits(&req) {
                 found.push(NeverFits {

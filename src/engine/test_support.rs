@@ -24,6 +24,7 @@ pub fn call(subject: &str, tool: &str) -> AdmitRequest {
         upstream: None,
         cost: None,
         max_wait_ns: 0,
+        returning: false,
     }
 }
 

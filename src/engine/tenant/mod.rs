@@ -85,6 +85,10 @@ pub struct AdmitRequest {
     pub cost: Option<f64>,
     /// The longest the caller may be held, already capped by the server's `max_wait`.
     pub max_wait_ns: u64,
+    /// The caller comes back for a bucket slot it was promised (the daemon asking again on its
+    /// behalf, see the API's admission): it may be held into promised tokens, since its own is
+    /// among them, where any other call is held only behind every promise.
+    pub returning: bool,
 }
 
 /// The engine's answer to an admission request.
@@ -161,6 +165,8 @@ pub struct TenantEngine {
     /// Slots promised to calls refused for want of the tenant's concurrency slots, in time order.
     slot_promises: Vec<SlotPromise>,
     last_active: Nanos,
+    /// The call being decided is [`AdmitRequest::returning`] (false outside [`TenantEngine::admit`]).
+    returning: bool,
 }
 
 impl TenantEngine {
@@ -189,6 +195,7 @@ impl TenantEngine {
             run_times: RunTimeBook::default(),
             slot_promises: Vec::new(),
             last_active: 0,
+            returning: false,
         }
     }
 
@@ -255,6 +262,13 @@ impl TenantEngine {
 
     /// Decides a call, or queues it for a concurrency slot.
     pub fn admit(&mut self, req: &AdmitRequest, now: Nanos, wall_ms: i64) -> AdmitResult {
+        self.returning = req.returning;
+        let result = self.decide(req, now, wall_ms);
+        self.returning = false;
+        result
+    }
+
+    fn decide(&mut self, req: &AdmitRequest, now: Nanos, wall_ms: i64) -> AdmitResult {
         self.last_active = now;
         let r = self.resolve(req);
         let cfg = Arc::clone(&self.policy.cfg);

@@ -68,8 +68,9 @@ impl TenantEngine {
     ) -> (Take, u64, u64) {
         let tokens = r.cost * lp.units;
         let inc = lp.g.increment(tokens);
+        let returning = self.returning;
         let local = |b: &mut Bucket, g: &Gcra, max_wait: u64| {
-            let t = b.take(g, now, inc, max_wait);
+            let t = b.take_as(g, now, inc, max_wait, returning);
             (t, b.remaining(g, now), b.reset_ns(now))
         };
         match lp.layer {
@@ -96,11 +97,8 @@ impl TenantEngine {
                 }
                 // Nor is a call held into tokens promised to this tenant's refused callers.
                 let cursor = self.upstreams.get(&name).map_or(0, |u| u.shared_promised);
-                let max_wait = if lp.hold_ok && !s.bucket.promises_waiting(cursor, &lp.g, now, 0) {
-                    max_wait
-                } else {
-                    0
-                };
+                let in_order = returning || !s.bucket.promises_waiting(cursor, &lp.g, now, 0);
+                let max_wait = if lp.hold_ok && in_order { max_wait } else { 0 };
                 match s.bucket.take(&lp.g, now, inc, max_wait) {
                     ok @ Take::Ok { .. } => {
                         let (mut remaining, mut reset) =
@@ -120,11 +118,12 @@ impl TenantEngine {
             }
             Layer::Global => {
                 let b = self.policy.global(&self.shared);
-                let max_wait = if b.promises_waiting(self.global_promised, &lp.g, now, 0) {
-                    0
-                } else {
-                    max_wait
-                };
+                let max_wait =
+                    if !returning && b.promises_waiting(self.global_promised, &lp.g, now, 0) {
+                        0
+                    } else {
+                        max_wait
+                    };
                 let t = b.take(&lp.g, now, inc, max_wait);
                 (t, b.remaining(&lp.g, now), b.reset_ns(now))
             }
