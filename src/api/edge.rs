@@ -364,6 +364,7 @@ async fn admit_at_edge(
         upstream: None,
         cost: None,
         max_wait_ns: 0,
+        returning: false,
     };
     let (decision, tenant_name) = match shared.admit(tenant, req, started).await? {
         AdmitReply::Decided(d, name) => (d, name),
