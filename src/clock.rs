@@ -26,6 +26,11 @@ pub trait Clock: Send + Sync + 'static {
     fn wall_ms(&self) -> i64;
 }
 
+/// Where the system clock's monotonic reading starts: a day in, not at 0, so that state from
+/// before the process started (a state file's adaptive-throttle windows and last 429s, up to an
+/// hour old) can be placed in the past of this clock instead of being clamped to its start.
+pub const MONO_START: Nanos = 86_400 * NS_PER_SEC;
+
 /// The real clocks of the process.
 #[derive(Debug, Clone)]
 pub struct SystemClock {
@@ -49,7 +54,7 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     fn mono(&self) -> Nanos {
         // An u64 of nanoseconds lasts 584 years of uptime.
-        self.origin.elapsed().as_nanos() as u64
+        self.origin.elapsed().as_nanos() as u64 + MONO_START
     }
     fn wall_ms(&self) -> i64 {
         coarse_wall_ms()

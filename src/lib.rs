@@ -17,6 +17,7 @@ pub mod config;
 pub mod engine;
 mod prefetch;
 pub mod server;
+pub mod state;
 pub mod telemetry;
 #[cfg(unix)]
 pub mod unix_socket;

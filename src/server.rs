@@ -214,6 +214,21 @@ async fn run(config: Config) -> Result<(), String> {
         edge: Default::default(),
     });
 
+    // Kept state goes back in before the first call is taken.
+    let state_path = shared.started.state.path.clone();
+    if let Some(path) = &state_path {
+        if let Some(file) = crate::state::load(path)? {
+            let tenants = crate::state::restore(&shared, file).await;
+            tracing::info!(path = %path.display(), tenants, "state restored");
+        }
+        // Written once now, so that a directory admitd cannot write stops the start, not a later
+        // write.
+        let file = crate::state::collect(&shared).await;
+        crate::state::write(path, &file)
+            .map_err(|e| format!("cannot write the state file {}: {e}", path.display()))?;
+        spawn_state_writer(shared.clone(), path.clone());
+    }
+
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(workers);
     for (index, arbiter) in arbiters.iter().enumerate() {
@@ -280,6 +295,10 @@ async fn run(config: Config) -> Result<(), String> {
         .max(tokio::time::Instant::now() + Duration::from_millis(100));
     let _ =
         tokio::time::timeout_at(closed, async { while done_rx.recv().await.is_some() {} }).await;
+    // The tenant actors still run: their last state goes to disk now.
+    if let Some(path) = &state_path {
+        write_state(&shared, path, true).await;
+    }
     for arbiter in arbiters {
         arbiter.stop();
     }
@@ -295,6 +314,50 @@ async fn run(config: Config) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Collects the kept state and writes it off the main thread; a failure is logged, and the next
+/// write tries again.
+/// The last write at shutdown must not be overtaken by a periodic one collected earlier: writes
+/// take turns, and a periodic write that finds shutdown started gives way.
+async fn write_state(shared: &Arc<Shared>, path: &std::path::Path, last: bool) {
+    static TURN: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    let file = crate::state::collect(shared).await;
+    let tenants = file.tenants.len();
+    let p = path.to_path_buf();
+    let s = shared.clone();
+    let written = tokio::task::spawn_blocking(move || {
+        let _turn = TURN.lock();
+        match !last && s.stopping() {
+            true => Ok(()),
+            false => crate::state::write(&p, &file),
+        }
+    })
+    .await;
+    match written {
+        Ok(Ok(())) => tracing::debug!(tenants, "state file written"),
+        Ok(Err(e)) => {
+            tracing::error!(path = %path.display(), error = %e, "cannot write the state file")
+        }
+        Err(e) => tracing::error!(error = %e, "the state file writer failed"),
+    }
+}
+
+/// Writes the state file every `[state] interval` until the process ends (shutdown writes it once
+/// more, after the last answer).
+fn spawn_state_writer(shared: Arc<Shared>, path: std::path::PathBuf) {
+    let every = shared.started.state.interval;
+    actix::spawn(async move {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if shared.stopping() {
+                return;
+            }
+            write_state(&shared, &path, false).await;
+        }
+    });
 }
 
 #[cfg(unix)]

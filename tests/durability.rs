@@ -118,3 +118,180 @@ fn an_idle_daemon_exits_at_once_on_sigterm() {
     let status = exits_within(&mut d, signalled, Duration::from_secs(2));
     assert!(status.success(), "exit status {status}");
 }
+
+// ---- the state file ---------------------------------------------------------------------------------
+
+/// A config keeping state at `path`, written every `interval`: subjects have a daily quota of 2, and
+/// upstream `u` a budget whose 429s put it in the penalty box.
+fn kept_config(path: &std::path::Path, interval: &str) -> String {
+    format!(
+        "[state]\npath = {:?}\ninterval = \"{interval}\"\n\
+         [limits.subject]\ndaily_quota = 2\n\
+         [upstreams.u]\nrate = \"10/s\"\nburst = 10\n",
+        path.display().to_string()
+    )
+}
+
+/// Spends subject "bot"'s quota of 2 and checks the third call is refused for it.
+fn spend_quota(d: &Daemon) {
+    for _ in 0..2 {
+        let a = d.admit(call("t", "bot", 0));
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        assert_eq!(d.release(a.body["lease_id"].as_str().unwrap()).status, 200);
+    }
+    assert_quota_spent(d);
+}
+
+fn assert_quota_spent(d: &Daemon) {
+    let a = d.admit(call("t", "bot", 0));
+    assert_eq!(a.status, 429, "{:?}", a.body);
+    assert_eq!(a.body["scope"], "daily_quota");
+}
+
+fn stop(d: &mut Daemon, signal: &str) {
+    d.signal(signal);
+    let status = exits_within(d, Instant::now(), Duration::from_secs(5));
+    if signal == "TERM" {
+        assert!(status.success(), "exit status {status}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn a_spent_quota_stays_spent_across_sigterm_and_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state");
+    // A long interval: only the write at shutdown can have kept it.
+    let config = kept_config(&path, "1h");
+    let mut d = Daemon::start(&config);
+    spend_quota(&d);
+    stop(&mut d, "TERM");
+    let text = std::fs::read_to_string(&path).expect("the state file is there");
+    let file: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(file["format"], "admitd-state");
+    assert_eq!(file["version"], 1);
+
+    let again = Daemon::start(&config);
+    assert_quota_spent(&again);
+    // Another subject is untouched.
+    assert_eq!(again.admit(call("t", "other", 0)).status, 200);
+    assert!(again.logged("state restored", Duration::from_secs(1)));
+}
+
+#[cfg(unix)]
+#[test]
+fn a_spent_quota_stays_spent_across_kill_9_after_one_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state");
+    let config = kept_config(&path, "300ms");
+    let mut d = Daemon::start(&config);
+    spend_quota(&d);
+    // One interval (and some slack for a busy machine), then no chance to write anything more.
+    std::thread::sleep(Duration::from_millis(1200));
+    stop(&mut d, "KILL");
+    let again = Daemon::start(&config);
+    assert_quota_spent(&again);
+}
+
+#[cfg(unix)]
+#[test]
+fn an_upstream_penalty_survives_a_restart_until_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state");
+    let config = kept_config(&path, "1h");
+    let mut d = Daemon::start(&config);
+    let body = json!({"tenant": "t", "subject": "s", "tool": "x", "upstream": "u"});
+    let a = d.admit(body.clone());
+    assert_eq!(a.status, 200);
+    let r = d.post(
+        "/v1/release",
+        json!({"lease_id": a.body["lease_id"], "outcome": "upstream_rate_limited",
+               "upstream_status": 429, "retry_after": "30"}),
+    );
+    assert_eq!(r.status, 200);
+    stop(&mut d, "TERM");
+
+    let again = Daemon::start(&config);
+    let a = again.admit(body);
+    assert_eq!(a.status, 429, "{:?}", a.body);
+    assert_eq!(a.body["scope"], "upstream_penalty");
+    let wait = a.body["retry_after_ms"].as_u64().unwrap();
+    assert!((15_000..=31_000).contains(&wait), "{wait}");
+}
+
+/// Starts the binary expecting it to refuse: its exit code and what it wrote.
+fn refused_start(config: &str) -> (i32, String) {
+    let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::io::Write::write_all(&mut f, config.as_bytes()).unwrap();
+    let out = std::process::Command::new(common::bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(f.path())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_missing_state_directory_stops_the_start_with_a_readable_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nowhere").join("state");
+    let (code, err) = refused_start(&kept_config(&path, "5s"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+    assert!(
+        err.contains(&dir.path().join("nowhere").display().to_string()),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_state_file_of_a_newer_format_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state");
+    std::fs::write(
+        &path,
+        br#"{"format":"admitd-state","version":99,"tenants":[]}"#,
+    )
+    .unwrap();
+    let (code, err) = refused_start(&kept_config(&path, "5s"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("format version 99, newer"), "{err}");
+    // Left as it was, for the newer admitd.
+    assert!(std::fs::read_to_string(&path).unwrap().contains("99"));
+}
+
+fn damaged_file_gives_a_fresh_start(content: &[u8]) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state");
+    std::fs::write(&path, content).unwrap();
+    let d = Daemon::start(&kept_config(&path, "5s"));
+    assert!(
+        d.logged("the state file cannot be read", Duration::from_secs(2)),
+        "{:?}",
+        d.log_lines()
+    );
+    assert_eq!(d.admit(call("t", "bot", 0)).status, 200, "a fresh start");
+    assert!(dir.path().join("state.corrupt").exists(), "set aside");
+    // A good file is in its place again.
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("admitd-state"), "{text}");
+}
+
+#[test]
+fn a_truncated_state_file_gives_a_logged_fresh_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state");
+    let mut d = Daemon::start(&kept_config(&path, "1h"));
+    spend_quota(&d);
+    stop(&mut d, "TERM");
+    let full = std::fs::read(&path).unwrap();
+    damaged_file_gives_a_fresh_start(&full[..full.len() / 2]);
+}
+
+#[test]
+fn a_garbage_state_file_gives_a_logged_fresh_start() {
+    damaged_file_gives_a_fresh_start(b"\x00\x01 this is not a state file \xff\xfe");
+}

@@ -27,8 +27,8 @@ use parking_lot::RwLock;
 
 pub use global::GlobalActor;
 pub use tenant::{
-    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, Feedback, Layers,
-    Release, ReportCalls, Snapshot, TenantActor, Tick, TICK,
+    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, ExportDurable, Feedback,
+    ImportDurable, Layers, Release, ReportCalls, Snapshot, TenantActor, Tick, TICK,
 };
 
 use crate::clock::{Clock, Nanos};
@@ -226,6 +226,14 @@ impl Shared {
     /// (modulo [`SHARDS`]) are its registry shard.
     pub(crate) fn tick_slot(tenant: &str) -> u64 {
         Self::hash(tenant) % TICK_SLOTS
+    }
+
+    /// The addresses of every live tenant actor (for writing the state file).
+    pub fn tenant_actors(&self) -> Vec<Addr<TenantActor>> {
+        self.shards
+            .iter()
+            .flat_map(|s| s.read().iter().map(|e| e.addr.clone()).collect::<Vec<_>>())
+            .collect()
     }
 
     /// Number of live tenant actors.

@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 
 use super::Shared;
 use crate::clock::Nanos;
+use crate::engine::durable::TenantDurable;
 use crate::engine::{
     AdmitRequest, AdmitResult, Decision, LayerState, ReleaseInfo, TenantEngine, TenantSnapshot,
     UnknownLease, Verdict,
@@ -476,6 +477,36 @@ impl Handler<ReportCalls> for TenantActor {
                 calls,
             });
         }
+    }
+}
+
+/// The tenant's state worth keeping across a restart (see [`crate::engine::durable`]); `None` when
+/// there is none.
+#[derive(Message, Clone)]
+#[rtype(result = "Option<TenantDurable>")]
+pub struct ExportDurable;
+
+impl Handler<ExportDurable> for TenantActor {
+    type Result = Option<TenantDurable>;
+
+    fn handle(&mut self, _: ExportDurable, _: &mut Context<Self>) -> Self::Result {
+        let (now, wall) = self.now();
+        let kept = self.engine.export_durable(now, wall);
+        (!kept.is_empty()).then_some(kept)
+    }
+}
+
+/// Takes back state kept from before a restart, before the tenant's first call.
+#[derive(Message, Clone)]
+#[rtype(result = "()")]
+pub struct ImportDurable(pub Arc<TenantDurable>);
+
+impl Handler<ImportDurable> for TenantActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ImportDurable, _: &mut Context<Self>) {
+        let (now, wall) = self.now();
+        self.engine.import_durable(&msg.0, now, wall);
     }
 }
 

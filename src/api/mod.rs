@@ -589,6 +589,12 @@ pub async fn reload(
         restart.push("telemetry.otlp");
     }
     crate::telemetry::set_identity_key(new.telemetry.identity_key.as_ref());
+    if new.state != running.state {
+        restart.push("state");
+    }
+    if new.overload.header_timeout != running.overload.header_timeout {
+        restart.push("overload.header_timeout");
+    }
     global
         .send(Reconfigure(new))
         .await

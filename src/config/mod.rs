@@ -21,6 +21,7 @@ pub mod listen;
 mod model;
 mod raw;
 pub mod server_auth;
+mod state;
 pub mod units;
 mod validate;
 
@@ -32,6 +33,7 @@ pub use edge::{ApiKey, EdgeConfig, JwtConfig, JwtKeys, Secret};
 pub use listen::{ListenAddr, SocketOptions};
 pub use model::*;
 pub use server_auth::{IdentityKey, ServerAuth};
+pub use state::{OverloadConfig, StateConfig};
 pub use units::{parse_duration, parse_rate, Rate};
 pub use validate::MAX_REFILL_YEARS;
 

@@ -324,6 +324,8 @@ pub struct Config {
     pub alerts: AlertsConfig,
     /// `[edge]`: the gateway check; off (the route answers 404) when the section is absent.
     pub edge: Option<super::EdgeConfig>,
+    pub state: super::StateConfig,
+    pub overload: super::OverloadConfig,
 }
 
 /// `[tenants.NAME]`.
@@ -394,6 +396,8 @@ impl Default for Config {
                 alertmanager_url: None,
             },
             edge: None,
+            state: Default::default(),
+            overload: Default::default(),
         }
     }
 }

@@ -94,6 +94,8 @@ pub(super) struct RawConfig {
     pub(super) telemetry: Option<RawTelemetry>,
     pub(super) alerts: Option<RawAlerts>,
     pub(super) edge: Option<super::edge::RawEdge>,
+    pub(super) state: Option<super::state::RawState>,
+    pub(super) overload: Option<super::state::RawOverload>,
 }
 
 #[derive(Deserialize, Default)]

@@ -411,6 +411,12 @@ impl Validator<'_> {
         if let Some(e) = raw.edge {
             cfg.edge = first.note(self.edge(e));
         }
+        if let Some(st) = raw.state {
+            first.note(self.state(st, &mut cfg.state));
+        }
+        if let Some(o) = raw.overload {
+            first.note(self.overload(o, &mut cfg.overload));
+        }
 
         first.or(cfg)
     }

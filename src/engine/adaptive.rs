@@ -28,8 +28,23 @@ pub struct SreWindow {
 }
 
 impl SreWindow {
+    /// How long one slot lasts.
+    pub(crate) fn slot_len(window_ns: u64) -> u64 {
+        (window_ns / SRE_SLOTS).max(1)
+    }
+
     fn slot(now: Nanos, window_ns: u64) -> u64 {
-        now / (window_ns / SRE_SLOTS).max(1)
+        now / Self::slot_len(window_ns)
+    }
+
+    /// (slot, requests, accepts), oldest first (see [`super::durable`]).
+    pub(crate) fn slots(&self) -> &[(u64, u64, u64)] {
+        &self.slots
+    }
+
+    /// A window of the given slots, which must be oldest first (see [`super::durable`]).
+    pub(crate) fn from_slots(slots: Vec<(u64, u64, u64)>) -> Self {
+        SreWindow { slots }
     }
 
     fn expire(&mut self, slot: u64) {

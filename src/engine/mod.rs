@@ -5,6 +5,7 @@
 
 pub mod adaptive;
 pub mod bucket;
+pub mod durable;
 pub mod labels;
 pub mod leases;
 pub mod lint;
@@ -22,6 +23,8 @@ pub use tenant::{
 };
 pub use types::*;
 
+#[cfg(test)]
+mod durable_tests;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]

@@ -16,6 +16,7 @@ use parking_lot::Mutex;
 
 use super::adaptive::{self, SreWindow};
 use super::bucket::{AtomicBucket, Gcra};
+use super::durable::{valid_multiplier, Instants, UpstreamDurable};
 use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::Config;
 
@@ -268,6 +269,58 @@ impl SharedBudgets {
             }
         }
         self.upstreams.store(Arc::new(map));
+    }
+
+    /// The penalties, AIMD cuts and throttle windows of the shared upstreams worth keeping across a
+    /// restart (see [`super::durable`]), by name.
+    pub fn export_durable(&self, cfg: &Config, at: Instants) -> Vec<UpstreamDurable> {
+        self.upstream_names()
+            .into_iter()
+            .filter_map(|(name, u)| {
+                let window = cfg
+                    .upstreams
+                    .get(&*name)?
+                    .adaptive
+                    .map_or(0, |a| a.window.as_nanos() as u64);
+                let (penalty, m, last) = (u.penalty_until(), u.multiplier(), u.last_429());
+                let sre = u.sre.lock();
+                let throttled = window > 0 && !sre.is_idle(at.now, window);
+                (penalty > at.now || m < 1.0 || throttled).then(|| UpstreamDurable {
+                    upstream: name.to_string(),
+                    penalty_until_ms: (penalty > at.now).then(|| at.to_wall(penalty)),
+                    multiplier: m,
+                    last_429_ms: (last > 0).then(|| at.to_wall(last)),
+                    window: match throttled {
+                        true => sre.export(at, window),
+                        false => Vec::new(),
+                    },
+                })
+            })
+            .collect()
+    }
+
+    /// Takes back what [`SharedBudgets::export_durable`] wrote, for the upstreams the config still
+    /// shares; a penalty that has ended and slots that left the window are dropped.
+    pub fn import_durable(&self, cfg: &Config, kept: &[UpstreamDurable], at: Instants) {
+        let map = self.upstreams.load();
+        for k in kept {
+            let (Some(u), Some(c)) = (map.get(k.upstream.as_str()), cfg.upstreams.get(&k.upstream))
+            else {
+                continue;
+            };
+            if let Some(until) = at.penalty(k.penalty_until_ms) {
+                u.penalise(until);
+            }
+            if let Some(m) = valid_multiplier(k.multiplier) {
+                u.multiplier.store(m.to_bits(), Ordering::Release);
+            }
+            if let Some(t) = k.last_429_ms {
+                u.note_429(at.to_mono(t));
+            }
+            if let Some(a) = c.adaptive {
+                *u.sre.lock() = SreWindow::import(&k.window, at, a.window.as_nanos() as u64);
+            }
+        }
     }
 
     /// Names and state of the shared upstreams, for snapshots.

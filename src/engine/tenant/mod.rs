@@ -30,6 +30,7 @@
 
 mod calls;
 mod interpret;
+mod persist;
 mod plan;
 mod promises;
 mod snapshot;
