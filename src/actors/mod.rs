@@ -27,8 +27,8 @@ use parking_lot::RwLock;
 
 pub use global::GlobalActor;
 pub use tenant::{
-    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, ExportDurable, Feedback,
-    ImportDurable, Layers, Release, ReportCalls, Snapshot, TenantActor, Tick, TICK,
+    Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, ExportDurable,
+    Feedback, ImportDurable, Layers, Release, ReportCalls, Snapshot, TenantActor, Tick, TICK,
 };
 
 use crate::clock::{Clock, Nanos};
