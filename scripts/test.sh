@@ -11,6 +11,7 @@ command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
+command -v npm >/dev/null 2>&1 || need_apt+=(npm)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing test dependencies: ${need_apt[*]}"
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -47,8 +48,17 @@ ADMITD_REQUIRE_SDKS=1 ADMITD_BIN=target/debug/admitd timeout 300 \
 echo "== script helpers (the profile's phase classifier, the layer check)"
 python3 -m unittest discover -s scripts -p 'test_*.py'
 
-echo "== JavaScript client against the daemon built above"
-ADMITD_BIN=target/debug/admitd timeout 300 node --test clients/js/
+echo "== JavaScript package: SDK from npm (pinned by package-lock.json), tsc --strict, end to end"
+(cd clients/js && npm ci --no-audit --no-fund --loglevel=error)
+(cd clients/js && npx --no-install tsc --strict -p test)
+ADMITD_BIN=target/debug/admitd timeout 300 node --test clients/js/test/*.test.mjs
+# Installed as a user installs it: no runtime dependency comes along.
+js_tmp=$(mktemp -d)
+(cd "$js_tmp" && npm init -y >/dev/null && npm install --install-links --no-audit --no-fund --loglevel=error "$OLDPWD/clients/js" >/dev/null &&
+  [ ! -d node_modules/@modelcontextprotocol ] &&
+  node --input-type=module -e 'import { Admitd } from "admitd-client"; import { Admission } from "admitd-client/mcp";
+    new Admission(new Admitd("unix:/run/admitd/admitd.sock"));')
+rm -rf "$js_tmp"
 
 echo "== operator artifacts"
 bash tests/ops/check_ops.sh

@@ -13,7 +13,7 @@ import time
 import unittest
 import urllib.request
 
-from support import HERE, Daemon, McpServer, read, require_binary, require_sdk
+from support import ROOT, Daemon, McpServer, read, require_binary, require_sdk
 
 WAIT = re.compile(r"Wait (\d+) seconds?")
 
@@ -30,7 +30,7 @@ class _EndToEnd:
     def setUpClass(cls):
         require_binary()
         require_sdk(cls.sdk)
-        cls.daemon = Daemon(read(os.path.join(HERE, "e2e.toml")))
+        cls.daemon = Daemon(read(os.path.join(ROOT, "clients", "e2e.toml")))
         try:
             cls.server = McpServer(cls.app, cls.daemon.url)
         except BaseException:
@@ -189,7 +189,7 @@ class McpLowLevelServer(unittest.IsolatedAsyncioTestCase):
     def setUpClass(cls):
         require_binary()
         require_sdk("mcp")
-        cls.daemon = Daemon(read(os.path.join(HERE, "e2e.toml")))
+        cls.daemon = Daemon(read(os.path.join(ROOT, "clients", "e2e.toml")))
 
     @classmethod
     def tearDownClass(cls):

@@ -1,78 +1,19 @@
 // Tests of the JavaScript client against the real admitd binary (ADMITD_BIN, default
-// target/debug/admitd), started on a free port.
+// target/debug/admitd), started on a free port, and against tiny servers that misbehave on purpose.
 //
-//   ADMITD_BIN=target/debug/admitd node --test clients/js/
+//   ADMITD_BIN=target/debug/admitd node --test clients/js/test/
 
 import { spawn } from "node:child_process";
-import { access, mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
-import { constants } from "node:fs";
+import { readFile } from "node:fs/promises";
 import { createServer } from "node:net";
-import { tmpdir } from "node:os";
-import { join, dirname, resolve } from "node:path";
-import { fileURLToPath } from "node:url";
+import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import assert from "node:assert/strict";
 
-import { Admitd, AdmitdError, AdmitdUnavailable } from "./admitd.mjs";
-
-const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "..", "..");
-const BIN = process.env.ADMITD_BIN ?? join(ROOT, "target", "debug", "admitd");
+import { Admitd, AdmitdError, AdmitdUnavailable } from "admitd-client";
+import { BIN, ROOT, binaryExists, closedPort, quiet, startDaemon } from "./support.mjs";
 
 const CONFIG = await readFile(join(ROOT, "clients", "test.toml"), "utf8");
-
-const quiet = { warn() {}, info() {} };
-
-async function startDaemon(config) {
-  const dir = await mkdtemp(join(tmpdir(), "admitd-js-"));
-  const path = join(dir, "admitd.toml");
-  await writeFile(path, config);
-  const child = spawn(BIN, ["serve", "--listen", "127.0.0.1:0", "--config", path], {
-    stdio: ["ignore", "ignore", "pipe"],
-  });
-  // Never outlive the tests, whatever ends them.
-  process.on("exit", () => child.kill("SIGKILL"));
-  const addr = await new Promise((ok, fail) => {
-    let seen = "";
-    const timer = setTimeout(() => fail(new Error(`admitd did not start: ${seen}`)), 20000);
-    child.stderr.setEncoding("utf8");
-    child.stderr.on("data", (chunk) => {
-      seen += chunk;
-      const m = seen.match(/admitd listening on (\S+)/);
-      if (m) {
-        clearTimeout(timer);
-        ok(m[1]);
-      }
-    });
-    child.on("exit", (code) => fail(new Error(`admitd exited (${code}): ${seen}`)));
-  });
-  return {
-    url: `http://${addr}`,
-    async stop() {
-      const exited = new Promise((ok) => child.once("exit", ok));
-      child.kill("SIGTERM");
-      await exited;
-      await rm(dir, { recursive: true, force: true });
-    },
-  };
-}
-
-async function closedPort() {
-  const srv = createServer();
-  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
-  const { port } = srv.address();
-  await new Promise((ok) => srv.close(ok));
-  return port;
-}
-
-async function binaryExists() {
-  try {
-    await access(BIN, constants.X_OK);
-    return true;
-  } catch {
-    if (process.env.ADMITD_BIN) throw new Error(`ADMITD_BIN=${BIN} is not an executable`);
-    return false;
-  }
-}
 
 const haveBinary = await binaryExists();
 
@@ -209,7 +150,7 @@ describe("against the daemon", { skip: haveBinary ? false : `no admitd binary at
 
       // Node's own proxy support, switched on by the environment, in a process of its own.
       const script =
-        `import { Admitd } from ${JSON.stringify(join(ROOT, "clients", "js", "admitd.mjs"))};` +
+        `import { Admitd } from ${JSON.stringify(join(ROOT, "clients", "js", "index.js"))};` +
         `const a = new Admitd(${JSON.stringify(daemon.url)}, { failOpen: false });` +
         `const d = await a.admit({ tenant: "t-proxy-env", subject: "bot", tool: "search" });` +
         `console.log(JSON.stringify([d.admitted, d.degraded, await a.release(d.leaseId)]));`;
@@ -331,9 +272,39 @@ describe("without the daemon", () => {
     assert.deepEqual([d.admitted, d.degraded, d.retryAfterMs], [false, true, 3000]);
   });
 
-  test("only http URLs", () => {
-    for (const bad of ["https://127.0.0.1:9470", "ftp://x"]) {
-      assert.throws(() => new Admitd(bad), TypeError);
+  test("a cut-off answer on a kept-alive connection is never sent again", { timeout: 30000 }, async () => {
+    // Answers the first request; to the second, half an answer, then the connection closes.
+    let requests = 0;
+    const body = '{"tenant":"t"}';
+    const answer = `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${body.length}\r\n\r\n${body}`;
+    const server = createServer((sock) => {
+      let buf = "";
+      sock.on("data", (chunk) => {
+        buf += chunk;
+        while (buf.includes("\r\n\r\n")) {
+          buf = buf.slice(buf.indexOf("\r\n\r\n") + 4);
+          requests += 1;
+          if (requests === 1) sock.write(answer);
+          else sock.end(answer.slice(0, 20));
+        }
+      });
+    });
+    await new Promise((ok) => server.listen(0, "127.0.0.1", ok));
+    try {
+      const admitd = new Admitd(`http://127.0.0.1:${server.address().port}`, { logger: quiet });
+      assert.equal((await admitd.tenant("t")).tenant, "t");
+      await assert.rejects(admitd.tenant("t"), AdmitdUnavailable);
+      assert.equal(requests, 2, "the request that got half an answer was sent once");
+      admitd.close();
+    } finally {
+      await new Promise((ok) => server.close(ok));
     }
+  });
+
+  test("only http and unix URLs", () => {
+    for (const bad of ["https://127.0.0.1:9470", "ftp://x", "127.0.0.1:9470", "unix:", "unix:relative.sock", "unix://host/x"]) {
+      assert.throws(() => new Admitd(bad), TypeError, bad);
+    }
+    assert.equal(new Admitd("unix:/run/admitd/admitd.sock").socketPath, "/run/admitd/admitd.sock");
   });
 });

@@ -1,15 +1,15 @@
-// A client for admitd, for MCP servers on Node.js (18 or later): ask before a tool runs, release after,
-// hand refusals to the model. No dependencies; types in admitd.d.mts.
+// admitd-client: a client for admitd, for MCP servers on Node.js (18 or later): ask before a tool
+// runs, release after, hand refusals to the model. No dependencies; types in index.d.ts. The wrapper
+// for @modelcontextprotocol/sdk tool handlers is in ./mcp.js ("admitd-client/mcp").
 //
-//   import { Admitd } from "./admitd.mjs";
-//   const admitd = new Admitd(); // http://127.0.0.1:9470
+//   import { Admitd } from "admitd-client";
+//   const admitd = new Admitd(); // http://127.0.0.1:9470, or "unix:/run/admitd/admitd.sock"
 //
-//   server.tool("get_sales", schema, async (args, extra) =>
-//     admitd.call({ tenant, subject, tool: "get_sales", upstream: "warehouse" }, async (call) => {
-//       const resp = await fetch(warehouseUrl(args));
-//       call.upstreamResponse(resp.status, resp.headers.get("retry-after"));
-//       return toToolResult(await resp.json());
-//     }));
+//   const result = await admitd.call({ tenant, subject, tool: "get_sales", upstream: "warehouse" }, async (call) => {
+//     const resp = await fetch(warehouseUrl(args));
+//     call.upstreamResponse(resp.status, resp.headers.get("retry-after"));
+//     return { content: [{ type: "text", text: await resp.text() }] };
+//   });
 //
 // `call` runs the function only when admitd admits the call, and returns admitd's ready-made
 // CallToolResult (isError: true) when it refuses. The lease is released when the function settles:
@@ -63,33 +63,58 @@ function retryAfterValue(v) {
 }
 
 export class Admitd {
-  constructor(url = "http://127.0.0.1:9470", { timeoutMs = 5000, failOpen = true, unavailableRetryS = 5, logger = console } = {}) {
-    const u = new URL(url);
-    if (u.protocol !== "http:" || !u.hostname) {
-      throw new TypeError(`admitd URL must be http://host[:port], not ${JSON.stringify(url)}`);
+  constructor(
+    url = "http://127.0.0.1:9470",
+    { timeoutMs = 2000, connectTimeoutMs = 500, failOpen = true, unavailableRetryS = 5, logger = console } = {},
+  ) {
+    if (typeof url === "string" && url.startsWith("unix:")) {
+      const path = url.slice("unix:".length);
+      if (!path.startsWith("/") || path.startsWith("//")) {
+        throw new TypeError(`admitd Unix socket URL must be unix:/path/to.sock, not ${JSON.stringify(url)}`);
+      }
+      this.base = url;
+      this.socketPath = path;
+    } else {
+      let u;
+      try {
+        u = new URL(url);
+      } catch {
+        u = null;
+      }
+      if (!u || u.protocol !== "http:" || !u.hostname) {
+        throw new TypeError(`admitd URL must be http://host[:port] or unix:/path, not ${JSON.stringify(url)}`);
+      }
+      this.base = `http://${u.host}`;
+      // URL keeps an IPv6 literal in brackets; a socket wants it without them.
+      this.host = u.hostname.replace(/^\[(.*)\]$/, "$1");
+      this.port = Number(u.port || 80);
     }
-    this.base = `http://${u.host}`;
-    // URL keeps an IPv6 literal in brackets; a socket wants it without them.
-    this.host = u.hostname.replace(/^\[(.*)\]$/, "$1");
-    this.port = Number(u.port || 80);
     this.agent = new http.Agent({ keepAlive: true });
     this.timeoutMs = timeoutMs;
+    this.connectTimeoutMs = connectTimeoutMs;
     this.failOpen = failOpen;
     this.unavailableRetryS = Math.max(1, Math.trunc(unavailableRetryS));
     this.logger = logger;
   }
 
-  async #request(method, path, body, headers = {}, timeoutMs = this.timeoutMs) {
+  /** Closes the kept-alive connections (a later request opens a new one). */
+  close() {
+    this.agent.destroy();
+  }
+
+  async #request(method, path, body, headers = {}, holdMs = 0) {
     let resp;
+    const payload = body === undefined ? undefined : JSON.stringify(body);
     try {
-      const payload = body === undefined ? undefined : JSON.stringify(body);
       try {
-        resp = await this.#send(method, path, payload, headers, timeoutMs);
+        resp = await this.#send(method, path, payload, headers, this.timeoutMs + holdMs);
       } catch (e) {
-        // A kept-alive connection that admitd had already closed: the request never got there, so
-        // sending it once more on a new connection is safe.
-        if (!e.reusedSocket || !["ECONNRESET", "EPIPE"].includes(e.code)) throw e;
-        resp = await this.#send(method, path, payload, headers, timeoutMs);
+        // admitd closed a kept-alive connection before answering this request (an idle timeout,
+        // a restart, or an earlier request's early 4xx): nothing was answered, so nothing was
+        // counted, and sending it once more on a new connection is safe. Never when any byte of
+        // an answer came, and never on a new connection, which may have been read.
+        if (!e.reusedSocket || e.answerBegan) throw e;
+        resp = await this.#send(method, path, payload, headers, this.timeoutMs + holdMs);
       }
     } catch (e) {
       throw new AdmitdUnavailable(`cannot reach admitd at ${this.base}: ${e.code ?? e.name ?? e.message}`, { cause: e });
@@ -97,9 +122,14 @@ export class Admitd {
     const { status, headers: respHeaders, text } = resp;
     let parsed;
     try {
-      parsed = text ? JSON.parse(text) : {};
+      parsed = JSON.parse(text);
     } catch {
-      parsed = { error: "not_json", message: text.slice(0, 200) };
+      parsed = undefined;
+    }
+    // Every answer of admitd is a JSON object: anything else (an empty or cut-off body, a proxy's
+    // page) means admitd did not answer.
+    if (parsed === null || typeof parsed !== "object" || Array.isArray(parsed)) {
+      throw new AdmitdUnavailable(`the answer (${status}) is not admitd's JSON: ${JSON.stringify(text.slice(0, 200))}`);
     }
     if (status >= 500) {
       throw new AdmitdUnavailable(`admitd answered ${status}: ${text.slice(0, 200)}`);
@@ -118,8 +148,9 @@ export class Admitd {
         h["content-type"] = "application/json";
         h["content-length"] = Buffer.byteLength(payload);
       }
+      const where = this.socketPath ? { socketPath: this.socketPath } : { host: this.host, port: this.port };
       const req = http.request(
-        { host: this.host, port: this.port, path, method, headers: h, agent: this.agent, signal: AbortSignal.timeout(timeoutMs) },
+        { ...where, path, method, headers: h, agent: this.agent, signal: AbortSignal.timeout(timeoutMs) },
         (res) => {
           const chunks = [];
           res.on("data", (c) => chunks.push(c));
@@ -131,8 +162,25 @@ export class Admitd {
           });
         },
       );
+      let answerBegan = false;
+      req.on("socket", (socket) => {
+        const began = () => {
+          answerBegan = true;
+        };
+        socket.on("data", began);
+        req.once("close", () => socket.off("data", began));
+        if (socket.connecting) {
+          const timer = setTimeout(
+            () => req.destroy(Object.assign(new Error("connect timeout"), { code: "ETIMEDOUT" })),
+            this.connectTimeoutMs,
+          );
+          socket.once("connect", () => clearTimeout(timer));
+          req.once("close", () => clearTimeout(timer));
+        }
+      });
       req.on("error", (e) => {
         e.reusedSocket = req.reusedSocket;
+        e.answerBegan = answerBegan;
         reject(e);
       });
       req.end(payload);
@@ -154,11 +202,11 @@ export class Admitd {
     if (maxWaitMs != null) body.max_wait_ms = maxWaitMs;
     if (callId != null) body.call_id = callId;
     const headers = traceparent ? { traceparent } : {};
-    // admitd may hold the call for its allowed wait before it answers.
-    const timeoutMs = this.timeoutMs + Math.max(0, maxWaitMs ?? 2000);
+    // admitd may hold the call for its allowed wait (the server's cap, 2 s by default) before it answers.
+    const holdMs = Math.max(0, maxWaitMs ?? 2000);
     let answer;
     try {
-      answer = await this.#request("POST", "/v1/admit", body, headers, timeoutMs);
+      answer = await this.#request("POST", "/v1/admit", body, headers, holdMs);
     } catch (e) {
       if (e instanceof AdmitdUnavailable) return this.#degraded(e.message);
       throw e;
@@ -245,17 +293,23 @@ export class Admitd {
     const call = new Call(decision);
     try {
       const result = await fn(call);
-      await this.#finish(call, "ok");
+      await this.finish(call, "ok");
       return result;
     } catch (e) {
-      await this.#finish(call, e?.name === "AbortError" ? "cancelled" : "error");
+      await this.finish(call, e?.name === "AbortError" ? "cancelled" : "error");
       throw e;
     }
   }
 
-  async #finish(call, fallback) {
+  /**
+   * Releases an admitted call once: with `call.outcome` when set, `upstream_rate_limited` when the
+   * upstream answered 429, else `fallback`. Never throws: a release that fails is logged, and the
+   * lease expires after lease_ttl.
+   */
+  async finish(call, fallback) {
     const lease = call.decision.leaseId;
-    if (!lease) return;
+    if (!lease || call.released) return;
+    call.released = true;
     const outcome = call.outcome ?? (call.status === 429 ? "upstream_rate_limited" : fallback);
     try {
       const released = await this.release(lease, outcome, {
@@ -271,7 +325,7 @@ export class Admitd {
   }
 }
 
-/** One admitted call inside `Admitd.call`. */
+/** One admitted call, inside `Admitd.call` or a wrapped tool handler. */
 export class Call {
   constructor(decision) {
     this.decision = decision;
@@ -279,6 +333,7 @@ export class Call {
     this.outcome = undefined;
     this.status = undefined;
     this.retryAfter = undefined;
+    this.released = false;
     this.started = performance.now();
   }
 

@@ -1,14 +1,25 @@
-// Types of admitd.mjs (TypeScript finds them when it imports "./admitd.mjs").
+// Types of index.js ("admitd-client").
 
 export type Outcome = "ok" | "error" | "upstream_rate_limited" | "cancelled";
 export declare const OUTCOMES: readonly Outcome[];
 
-/** An MCP CallToolResult, as admitd writes it for a refused call. */
-export interface ToolResult {
-  content: { type: "text"; text: string }[];
-  structuredContent: { error: string; scope: string | null; retry_after_ms: number; retryable: boolean };
+/**
+ * An MCP CallToolResult, as admitd writes it for a refused call. A type alias with index signatures
+ * (not an interface), so that it is assignable to the SDK's CallToolResult, whose schema lets any
+ * object carry further keys.
+ */
+export type ToolResult = {
+  [key: string]: unknown;
+  content: { [key: string]: unknown; type: "text"; text: string }[];
+  structuredContent: {
+    [key: string]: unknown;
+    error: string;
+    scope: string | null;
+    retry_after_ms: number;
+    retryable: boolean;
+  };
   isError: true;
-}
+};
 
 export interface AdmitArgs {
   tenant: string;
@@ -46,8 +57,10 @@ export type Decision =
     };
 
 export interface AdmitdOptions {
-  /** Per request, plus the allowed wait on admissions. Default 5000. */
+  /** Per answer, on top of the wait admitd may hold an admission for. Default 2000. */
   timeoutMs?: number;
+  /** Reaching admitd; short, so that failOpen decides quickly. Default 500. */
+  connectTimeoutMs?: number;
   /** Run calls without a lease when admitd is unreachable (default), or refuse them. */
   failOpen?: boolean;
   /** The wait the refusal asks for when admitd is unreachable and failOpen is false. Default 5. */
@@ -64,7 +77,9 @@ export declare class AdmitdError extends Error {
 export declare class AdmitdUnavailable extends Error {}
 
 export declare class Call {
+  constructor(decision: Decision & { admitted: true });
   readonly decision: Decision & { admitted: true };
+  readonly released: boolean;
   /** Overrides the outcome chosen when the function settles. */
   outcome?: Outcome;
   readonly status?: number;
@@ -74,7 +89,10 @@ export declare class Call {
 }
 
 export declare class Admitd {
+  /** `url`: "http://host:port" (default http://127.0.0.1:9470) or "unix:/path/to/admitd.sock". */
   constructor(url?: string, options?: AdmitdOptions);
+  /** Closes the kept-alive connections (a later request opens a new one). */
+  close(): void;
   admit(args: AdmitArgs): Promise<Decision>;
   release(
     leaseId: string,
@@ -85,4 +103,6 @@ export declare class Admitd {
   tenant(name: string): Promise<Record<string, unknown> | null>;
   /** Runs fn only when admitted; resolves to admitd's tool result when refused. */
   call<T>(args: AdmitArgs, fn: (call: Call) => Promise<T> | T): Promise<T | ToolResult>;
+  /** Releases an admitted call once; never throws (a failed release is logged). */
+  finish(call: Call, fallback: Outcome): Promise<void>;
 }

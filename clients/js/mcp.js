@@ -1,0 +1,126 @@
+// admitd for servers built with @modelcontextprotocol/sdk: a wrapper for tool handlers of
+// McpServer.registerTool (or the older McpServer.tool). No dependency on the SDK itself; types in
+// mcp.d.ts.
+//
+//   import { Admission, UpstreamRateLimited } from "admitd-client/mcp";
+//   const admission = new Admission("http://127.0.0.1:9470", { upstreams: { get_sales: "warehouse" } });
+//   server.registerTool("get_sales", { inputSchema: { region: z.string() } },
+//     admission.tool("get_sales", async ({ region }, extra) => ({ content: [{ type: "text", text: "..." }] })));
+//
+// Each call asks admitd first, keyed on the tenant and subject of the request's validated
+// credential (extra.authInfo: by default the `tenant` and `sub` entries of authInfo.extra, the
+// subject falling back to authInfo.clientId; pass `identity` to choose). A refused call never
+// runs: the handler resolves to admitd's CallToolResult with isError: true, the wait in whole
+// seconds in its text and admitd's structuredContent. An admitted call is released after the
+// handler settled: "ok"; "error" when it threw or resolved to an isError result; "cancelled" when
+// the request was cancelled (extra.signal aborted); "upstream_rate_limited" when the handler threw
+// UpstreamRateLimited or called reportUpstream(429, retryAfter).
+
+import { AsyncLocalStorage } from "node:async_hooks";
+import { Admitd, Call } from "./index.js";
+
+// The admitted call whose handler is running, so that reportUpstream finds it.
+const current = new AsyncLocalStorage();
+
+/**
+ * Records what the upstream answered, from inside a wrapped handler, without throwing: a 429
+ * releases the call as upstream_rate_limited with retryAfter. Returns false (and does nothing)
+ * outside a wrapped handler.
+ */
+export function reportUpstream(status, retryAfter) {
+  const call = current.getStore();
+  if (!call) return false;
+  call.upstreamResponse(status, retryAfter);
+  return true;
+}
+
+/**
+ * Thrown by a handler whose upstream answered 429: the call is released as
+ * upstream_rate_limited with retryAfter (which puts the upstream in admitd's penalty box), and the
+ * error goes on to the SDK, which reports the tool's failure to the model as any other.
+ */
+export class UpstreamRateLimited extends Error {
+  constructor(retryAfter, { status = 429, message } = {}) {
+    super(
+      message ??
+        `the upstream service is rate limiting these calls${retryAfter != null ? ` (Retry-After: ${retryAfter})` : ""}`,
+    );
+    this.name = "UpstreamRateLimited";
+    this.retryAfter = retryAfter ?? undefined;
+    this.status = status;
+    reportUpstream(status, retryAfter);
+  }
+}
+
+/** The request carries no validated identity admitd could key on. */
+export class IdentityError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = "IdentityError";
+  }
+}
+
+/** An identity that reads tenant and subject from extra.authInfo (see the top of this file). */
+export function authInfoIdentity({ tenantKey = "tenant", subjectKey = "sub" } = {}) {
+  return (extra) => {
+    const auth = extra?.authInfo;
+    if (!auth) throw new IdentityError("the request carries no validated credential (extra.authInfo)");
+    const tenant = auth.extra?.[tenantKey];
+    const subject = auth.extra?.[subjectKey] ?? auth.clientId;
+    if (typeof tenant !== "string" || !tenant) throw new IdentityError(`authInfo.extra has no ${JSON.stringify(tenantKey)}`);
+    if (typeof subject !== "string" || !subject) throw new IdentityError(`authInfo has no ${JSON.stringify(subjectKey)} nor clientId`);
+    return { tenant, subject };
+  };
+}
+
+export class Admission {
+  /**
+   * `admitd`: a URL ("http://host:port", "unix:/path") or an Admitd. `identity(extra)` returns
+   * { tenant, subject }; `upstreams` and `costs` map tool names to the upstream they spend and their
+   * cost (absent: admitd's configured defaults); `maxWaitMs` caps how long admitd may hold a call.
+   */
+  constructor(admitd = "http://127.0.0.1:9470", { identity, upstreams = {}, costs = {}, maxWaitMs } = {}) {
+    this.admitd = admitd instanceof Admitd ? admitd : new Admitd(admitd);
+    this.identity = identity ?? authInfoIdentity();
+    this.upstreams = { ...upstreams };
+    this.costs = { ...costs };
+    this.maxWaitMs = maxWaitMs;
+  }
+
+  /**
+   * Wraps a tool handler (`(args, extra)` or, for a tool without input schema, `(extra)`) so that
+   * it runs only when admitd admits the call. `name` is the name the tool is registered under.
+   */
+  tool(name, handler, { upstream, cost } = {}) {
+    return async (...args) => {
+      const extra = args[args.length - 1];
+      const { tenant, subject } = await this.identity(extra);
+      const decision = await this.admitd.admit({
+        tenant,
+        subject,
+        tool: name,
+        upstream: upstream ?? this.upstreams[name],
+        cost: cost ?? this.costs[name],
+        maxWaitMs: this.maxWaitMs,
+      });
+      if (!decision.admitted) return decision.toolResult;
+      const call = new Call(decision);
+      const cancelled = () => Boolean(extra?.signal?.aborted);
+      let result;
+      try {
+        result = await current.run(call, () => handler(...args));
+      } catch (e) {
+        const outcome =
+          e instanceof UpstreamRateLimited
+            ? "upstream_rate_limited"
+            : cancelled() || e?.name === "AbortError"
+              ? "cancelled"
+              : "error";
+        await this.admitd.finish(call, outcome);
+        throw e;
+      }
+      await this.admitd.finish(call, cancelled() ? "cancelled" : result?.isError ? "error" : "ok");
+      return result;
+    };
+  }
+}
