@@ -122,6 +122,7 @@ async fn serve_http<L: Acceptor>(
     use hyper_util::server::conn::auto;
     use hyper_util::server::graceful::GracefulShutdown;
 
+    let header_timeout = app.shared.started.overload.header_timeout;
     let service = api::service(app);
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -129,6 +130,13 @@ async fn serve_http<L: Acceptor>(
     // `write` costs less than hyper's default of queueing them as two buffers for `writev` (5-7% less
     // CPU per request, for admitd and the floor alike; docs/BENCHMARKS.md).
     builder.http1().writev(false);
+    // A connection that has not sent a whole request head this long after it began one (or after
+    // the last answer, when it is kept alive) is closed: a slowloris flood of half-sent requests
+    // cannot pin connections, descriptors and memory for ever.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout);
     let mut stop = std::pin::pin!(stop);
     loop {
         let io = tokio::select! {

@@ -15,7 +15,7 @@ pub mod tenant;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,12 +60,16 @@ pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 struct Entry {
     /// The tenant's name, inline up to 24 bytes, so a lookup compares it without a further miss.
     name: CompactString,
-    /// Tells this actor from a later one of the same tenant (see [`Shared::registry_remove`]).
-    generation: u64,
-    /// The arbiter it lives on.
-    arbiter: u32,
+    /// Tells this actor from a later one of the same tenant (see [`Shared::registry_remove`]). 32
+    /// bits: two actors of one tenant would have to start 2^32 actors apart to be confused.
+    generation: u32,
+    /// The arbiter it lives on (at most 256 workers).
+    arbiter: u16,
     /// Its group for ticking ([`Shared::tick_slot`]), kept so that ticking does not hash names.
-    tick_slot: u32,
+    tick_slot: u16,
+    /// Admissions sent to the actor and not yet taken from its mailbox, bounded by `[overload]
+    /// mailbox` (see [`Shared::admit`]). Shared with the actor, which counts them down.
+    mailbox: Arc<AtomicU32>,
     addr: Addr<TenantActor>,
 }
 
@@ -97,6 +101,8 @@ pub enum AskError {
     Timeout,
     /// The actor kept stopping under us; should not happen more than once in a row.
     Unavailable,
+    /// The actor's mailbox holds `[overload] mailbox` admissions already: refused at once, unsent.
+    Overloaded,
 }
 
 impl Shared {
@@ -168,28 +174,31 @@ impl Shared {
     pub fn tenant_or_start(self: &Arc<Self>, tenant: &str) -> (u64, Addr<TenantActor>) {
         let (shard, hash) = self.shard(tenant);
         if let Some(e) = Self::find(&shard.read(), hash, tenant) {
-            return (e.generation, e.addr.clone());
+            return (u64::from(e.generation), e.addr.clone());
         }
         let mut map = shard.write();
         if let Some(e) = Self::find(&map, hash, tenant) {
-            return (e.generation, e.addr.clone());
+            return (u64::from(e.generation), e.addr.clone());
         }
         let name: Arc<str> = Arc::from(tenant);
-        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        let generation = u64::from(self.next_generation.fetch_add(1, Ordering::Relaxed) as u32);
+        let mailbox = Arc::new(AtomicU32::new(0));
+        let counted = mailbox.clone();
         let index = (Self::hash(tenant) >> 32) as usize % self.arbiters.len();
         let arbiter = &self.arbiters[index];
         let shared = Arc::clone(self);
         let n = name.clone();
         let addr = TenantActor::start_in_arbiter(arbiter, move |_| {
-            TenantActor::new(n, shared, generation)
+            TenantActor::new(n, shared, generation).with_mailbox_count(counted)
         });
         map.insert_unique(
             hash,
             Entry {
                 name: CompactString::from(tenant),
-                generation,
-                arbiter: index as u32,
-                tick_slot: Self::tick_slot(tenant) as u32,
+                generation: generation as u32,
+                arbiter: index as u16,
+                tick_slot: Self::tick_slot(tenant) as u16,
+                mailbox,
                 addr: addr.clone(),
             },
             |e| Self::table_hash(Self::hash(&e.name)),
@@ -201,7 +210,9 @@ impl Shared {
     pub(crate) fn registry_remove(&self, tenant: &str, generation: u64) {
         let (shard, hash) = self.shard(tenant);
         let mut map = shard.write();
-        if let Ok(e) = map.find_entry(hash, |e| e.name == tenant && e.generation == generation) {
+        if let Ok(e) = map.find_entry(hash, |e| {
+            e.name == tenant && u64::from(e.generation) == generation
+        }) {
             e.remove();
         }
     }
@@ -241,6 +252,18 @@ impl Shared {
         self.shards.iter().map(|s| s.read().len()).sum()
     }
 
+    /// Hands the tenant's registry entry (its actor started if needed) to `post`; returns the actor's
+    /// generation and what `post` returned.
+    fn with_entry<R>(self: &Arc<Self>, tenant: &str, post: impl FnOnce(&Entry) -> R) -> (u64, R) {
+        let (shard, hash) = self.shard(tenant);
+        loop {
+            if let Some(e) = Self::find(&shard.read(), hash, tenant) {
+                return (u64::from(e.generation), post(e));
+            }
+            self.tenant_or_start(tenant);
+        }
+    }
+
     /// Hands the tenant's actor (started if needed) to `post`; returns the actor's generation and what
     /// `post` returned. A running actor is reached while the registry is read, so its address is not
     /// cloned.
@@ -252,7 +275,7 @@ impl Shared {
         let (shard, hash) = self.shard(tenant);
         let map = shard.read();
         match Self::find(&map, hash, tenant) {
-            Some(e) => (e.generation, post(&e.addr)),
+            Some(e) => (u64::from(e.generation), post(&e.addr)),
             None => {
                 drop(map);
                 let (generation, addr) = self.tenant_or_start(tenant);
@@ -276,7 +299,20 @@ impl Shared {
                 sent,
                 reply,
             };
-            let (generation, ()) = self.with_actor(tenant, |a| a.do_send(msg));
+            let limit = self.config.load().overload.mailbox as u32;
+            let (generation, sent) = self.with_entry(tenant, |e| {
+                // Counted before it is sent and counted down as the actor takes it, so the count
+                // never runs below the mailbox's true length.
+                if e.mailbox.fetch_add(1, Ordering::AcqRel) >= limit {
+                    e.mailbox.fetch_sub(1, Ordering::AcqRel);
+                    return false;
+                }
+                e.addr.do_send(msg);
+                true
+            });
+            if !sent {
+                return Err(AskError::Overloaded);
+            }
             match answer.await {
                 Ok(r) => return Ok(r),
                 // The actor stopped with the call in its mailbox; make sure its entry is gone.

@@ -15,6 +15,7 @@
 //! actually active.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,6 +47,9 @@ pub struct TenantActor {
     calls: CallCounts,
     /// When the timer armed by [`TenantActor::arm_expiry_timer`] fires, if one is armed.
     expiry_timer: Option<Nanos>,
+    /// Admissions in the mailbox, counted up by their senders and down here as each is taken
+    /// (see [`super::Shared::admit`]).
+    mailbox: Arc<AtomicU32>,
 }
 
 /// Admitted, and not a shadow-mode admission that enforce mode would have refused.
@@ -67,7 +71,14 @@ impl TenantActor {
             expiry_timer: None,
             ticks: 0,
             calls: CallCounts::default(),
+            mailbox: Arc::default(),
         }
+    }
+
+    /// Shares the count of admissions in its mailbox with the registry.
+    pub fn with_mailbox_count(mut self, count: Arc<AtomicU32>) -> Self {
+        self.mailbox = count;
+        self
     }
 
     /// The clock, after making sure the engine runs on the current config.
@@ -210,8 +221,11 @@ impl Actor for TenantActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         // Bursts of parallel calls for one tenant are normal (agent fan-out); let them queue here rather
-        // than make every sender wait for mailbox space.
-        ctx.set_mailbox_capacity(4096);
+        // than make every sender wait for mailbox space. Admissions are bounded by `[overload]
+        // mailbox` before they are sent; the capacity is above that bound so that a release (sent
+        // with `send`, which waits for room) never waits behind a full mailbox of admissions.
+        let admissions = self.shared.config.load().overload.mailbox;
+        ctx.set_mailbox_capacity(admissions.saturating_add(1024).max(4096));
     }
 }
 
@@ -267,6 +281,10 @@ impl Handler<Admit> for TenantActor {
     type Result = ();
 
     fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) {
+        // Never below 0: an admission sent past the registry (as tests do) was not counted up.
+        let _ = self
+            .mailbox
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         // The actor's state (its engine included) and the lease slot it will write are most likely
         // out of cache: ask for all of it at once rather than one line at a time as it is read.
         prefetch_all(self as *const Self);
@@ -710,6 +728,43 @@ mod tests {
             max_wait_ns: 0,
             returning: false,
         }
+    }
+
+    #[test]
+    fn admissions_past_the_mailbox_bound_are_refused_unsent_and_the_bound_frees_as_they_are_taken()
+    {
+        actix::System::new().block_on(async {
+            let clock = Arc::new(FakeClock::new(0));
+            let cfg = Config::parse("t.toml", "[overload]\nmailbox = 3\n").unwrap();
+            let shared = Shared::new(
+                cfg,
+                clock.clone(),
+                Telemetry::default(),
+                vec![actix::Arbiter::current()],
+            );
+            let on = |s: &str| AdmitRequest {
+                subject: s.into(),
+                ..req()
+            };
+            // All five are sent before the actor (on this thread) takes any.
+            let asks = (0..5).map(|i| shared.admit("acme", on(&format!("s{i}")), clock.mono()));
+            let replies = futures_util::future::join_all(asks).await;
+            let overloaded = replies
+                .iter()
+                .filter(|r| matches!(r, Err(super::super::AskError::Overloaded)))
+                .count();
+            let decided = replies
+                .iter()
+                .filter(|r| matches!(r, Ok(AdmitReply::Decided(d, _)) if d.is_admitted()))
+                .count();
+            assert_eq!((decided, overloaded), (3, 2));
+            // Taken and answered: room for as many again.
+            let asks = (0..3).map(|i| shared.admit("acme", on(&format!("t{i}")), clock.mono()));
+            let replies = futures_util::future::join_all(asks).await;
+            assert!(replies
+                .iter()
+                .all(|r| matches!(r, Ok(AdmitReply::Decided(..)))));
+        });
     }
 
     #[test]

@@ -15,6 +15,8 @@ use warp::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use warp::reply::Response;
 
 use super::error::ApiError;
+use super::inflight::Held;
+use super::overload::{self, Overload};
 use super::{body, json, lease, name_field, App};
 use crate::actors::{AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Layers, Shared};
 use crate::clock::{ceil_ms, ceil_secs};
@@ -73,9 +75,7 @@ pub async fn admit(
     // Counted until answered: shutdown waits for every admission that got this far.
     let _admitting = super::inflight::Admitting::enter();
     if app.shared.stopping() {
-        return Ok(super::overload::response(
-            super::overload::Overload::ShuttingDown,
-        ));
+        return Ok(overload::refused(Overload::ShuttingDown));
     }
     let traced = app.shared.telemetry.traces();
     // The wall-clock start only dates spans.
@@ -113,9 +113,19 @@ pub async fn admit(
     let max_wait_ns = req.max_wait_ns;
     // Kept for a second asking (see `wait_for_promise`) only when the call may wait.
     let again = (max_wait_ns > 0 && !shadow).then(|| req.clone());
-    let mut reply = shared.admit(tenant, req, started).await?;
+    let mut reply = match shared.admit(tenant, req, started).await {
+        Err(AskError::Overloaded) => return Ok(overload::refused(Overload::Mailbox)),
+        r => r?,
+    };
+    // Counts this call among the held ones while it waits, within `[overload] max_held`.
+    let mut held = None;
     if let Some(again) = again {
         if let Some(ns) = promise_within_wait(&reply, max_wait_ns) {
+            match Held::try_enter(shared.config.load().overload.max_held) {
+                Some(h) => held = Some(h),
+                // Nothing is reserved for a promise: the refusal gives nothing back.
+                None => return Ok(overload::refused(Overload::Held)),
+            }
             reply = Box::pin(wait_for_promise(shared, tenant, again, ns, started)).await?;
         }
     }
@@ -125,8 +135,20 @@ pub async fn admit(
         AdmitReply::Decided(d, name) if !must_hold(&d, shadow) => (d, name),
         // Waiting is the exception, so its state lives in a box of its own: the request's future,
         // moved several times on its way into the connection task, stays small.
-        reply => Box::pin(wait_out(shared, tenant, reply, max_wait_ns, shadow)).await?,
+        reply => {
+            if held.is_none() {
+                match Held::try_enter(shared.config.load().overload.max_held) {
+                    Some(h) => held = Some(h),
+                    None => {
+                        give_back(shared, tenant, &reply);
+                        return Ok(overload::refused(Overload::Held));
+                    }
+                }
+            }
+            Box::pin(wait_out(shared, tenant, reply, max_wait_ns, shadow)).await?
+        }
     };
+    drop(held);
 
     let (response, event) = answer(
         tenant_name,
@@ -231,6 +253,25 @@ async fn wait_for_promise(
         }
     }
     Ok(reply)
+}
+
+/// Gives back what a call that will not wait after all took: its queue place or its reservation.
+fn give_back(shared: &Arc<Shared>, tenant: &str, reply: &AdmitReply) {
+    let mut guard = HoldGuard {
+        shared,
+        tenant,
+        lease: None,
+        waiter: None,
+    };
+    match reply {
+        AdmitReply::Queued { waiter, .. } => guard.waiter = Some(*waiter),
+        AdmitReply::Decided(d, _) => {
+            if let Verdict::Admitted(a) = &d.verdict {
+                guard.lease = Some(a.lease);
+            }
+        }
+        AdmitReply::Late => {}
+    }
 }
 
 /// Whether an admitted call must sleep out its hold before it is answered.

@@ -42,6 +42,9 @@ impl From<crate::actors::AskError> for ApiError {
             crate::actors::AskError::Timeout => ApiError::unavailable(
                 "the tenant's state did not answer in time; retry the request",
             ),
+            crate::actors::AskError::Overloaded => ApiError::unavailable(
+                "too many calls of this tenant are waiting to be decided; retry the request",
+            ),
             crate::actors::AskError::Unavailable => {
                 ApiError::unavailable("the tenant's state is restarting; retry the request")
             }

@@ -83,6 +83,12 @@ struct Body {
     tool_result: ToolResult,
 }
 
+/// The 503 answer for `why`, counted in `admitd_overload_total{reason}`.
+pub fn refused(why: Overload) -> Response {
+    metrics::counter!(crate::telemetry::names::OVERLOAD, "reason" => why.as_str()).increment(1);
+    response(why)
+}
+
 /// The 503 answer for `why`.
 pub fn response(why: Overload) -> Response {
     let secs = RETRY_AFTER_MS.div_ceil(1000);

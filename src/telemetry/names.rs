@@ -30,6 +30,7 @@ pub const SPANS_EXPORTED: &str = "admitd_spans_exported_total";
 pub const REFUSAL_LOGS_SUPPRESSED: &str = "admitd_refusal_logs_suppressed_total";
 pub const BUILD_INFO: &str = "admitd_build_info";
 pub const EDGE_CHECKS: &str = "admitd_edge_checks_total";
+pub const OVERLOAD: &str = "admitd_overload_total";
 
 /// The type of a metric, as its `# TYPE` line says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +95,7 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(REFUSAL_LOGS_SUPPRESSED, Counter, COUNT, "Refusals not written to the log because of refusal_log_per_sec."),
         help(BUILD_INFO, Gauge, None, "Always 1, labelled with the admitd version."),
         help(EDGE_CHECKS, Counter, COUNT, "Answers of GET /v1/edge/check, by result."),
+        help(OVERLOAD, Counter, COUNT, "Admissions refused with a 503 before being decided, by reason."),
     ]
 };
 
