@@ -75,6 +75,7 @@ load
   --warmup SECS        load offered before measuring starts (default 2; 0 for populate)
   --rate R             open loop: R requests/s in total on a fixed timetable (default: closed loop)
   --tenants N          tenants t0..t<N-1> (default 1000)
+  --tenant-prefix P    name the tenants P0..P<N-1> instead (two loads on distinct tenants)
   --subjects N         subjects s0..s<N-1> per tenant (default 100)
   --tools N            tools tool0..tool<N-1> (default 8)
   --pool N             distinct precomputed request bodies (default 65536)
@@ -233,6 +234,13 @@ fn parse_args(raw: Vec<String>) -> Result<Option<Args>, String> {
             "--tenants" => a.tenants = number(&flag, it.next(), 1, 10_000_000)?,
             "--subjects" => a.subjects = number(&flag, it.next(), 1, 100_000_000)?,
             "--tools" => a.tools = number(&flag, it.next(), 1, 10_000)?,
+            "--tenant-prefix" => {
+                let p = it.next().ok_or("--tenant-prefix needs a value")?;
+                if p.is_empty() || !p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+                    return Err(format!("--tenant-prefix {p:?}: letters, digits and '-' only"));
+                }
+                let _ = TENANT_PREFIX.set(p.to_string());
+            }
             "--pool" => a.pool = number(&flag, it.next(), 1, 10_000_000)?,
             "--count" => a.count = number(&flag, it.next(), 1, 100_000_000)?,
             "--offset" => a.offset = number(&flag, it.next(), 0, u64::MAX / 2)?,
@@ -305,8 +313,12 @@ fn post(path: &str, host: &str, body: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// `--tenant-prefix`, set once while the arguments are read.
+static TENANT_PREFIX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 fn admit_body(tenant: u64, subject: &str, tool: u64) -> String {
-    format!(r#"{{"tenant":"t{tenant}","subject":"{subject}","tool":"tool{tool}","cost":1}}"#)
+    let prefix = TENANT_PREFIX.get().map_or("t", String::as_str);
+    format!(r#"{{"tenant":"{prefix}{tenant}","subject":"{subject}","tool":"tool{tool}","cost":1}}"#)
 }
 
 /// A pool of admission requests over random (tenant, subject, tool) keys, so that no key is hot.
