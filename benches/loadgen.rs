@@ -237,7 +237,9 @@ fn parse_args(raw: Vec<String>) -> Result<Option<Args>, String> {
             "--tenant-prefix" => {
                 let p = it.next().ok_or("--tenant-prefix needs a value")?;
                 if p.is_empty() || !p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
-                    return Err(format!("--tenant-prefix {p:?}: letters, digits and '-' only"));
+                    return Err(format!(
+                        "--tenant-prefix {p:?}: letters, digits and '-' only"
+                    ));
                 }
                 let _ = TENANT_PREFIX.set(p.to_string());
             }
