@@ -21,6 +21,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO systemctl stop prometheus 2>/dev/null || $SUDO pkill -x prometheus 2>/dev/null || true
 fi
 
+echo "== layers and file sizes (scripts/check_layers.sh)"
+bash scripts/check_layers.sh
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
