@@ -10,8 +10,8 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 // them). Each thread keeps at least 64 freed blocks of every small size for reuse, instead of 20 for
 // the larger small sizes: every request gets a fresh 8 KiB read buffer from hyper while up to a
 // connection's worth of older ones are still alive, and with 20 the thread's cache of that size
-// emptied and overflowed in turn, each time a trip to the shared arena (callgrind: 3-4% fewer
-// instructions per admission; docs/BENCHMARKS.md, twelfth round). It holds at most 64 blocks of
+// emptied and overflowed in turn, each time a trip to the shared arena (3% fewer instructions per
+// admission, `scripts/count.sh`; docs/BENCHMARKS.md). It holds at most 64 blocks of
 // each size per thread, freed over time when unused.
 #[cfg(not(target_env = "msvc"))]
 #[allow(non_upper_case_globals)]

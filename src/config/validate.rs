@@ -12,9 +12,10 @@ use super::raw::*;
 use super::units::{parse_duration, parse_rate, Rate};
 use super::*;
 
-/// The longest a bucket may take to refill from empty. A year is plenty for any rate limit (longer
-/// budgets are what `daily_quota` is for), and a bound keeps every bucket time, throttled by an
-/// upstream's `aimd_floor` or not, far inside the engine's 64-bit nanoseconds (584 years).
+/// The longest a bucket may take to refill from empty. No rate limit needs a refill anywhere near
+/// this long (longer budgets are what `daily_quota` is for), and the bound keeps every bucket time,
+/// throttled by an upstream's `aimd_floor` or not, far inside the engine's 64-bit nanoseconds
+/// (584 years).
 pub const MAX_REFILL_YEARS: f64 = 50.0;
 const SECS_PER_YEAR: f64 = 365.25 * 86_400.0;
 
