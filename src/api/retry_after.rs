@@ -19,7 +19,9 @@ pub fn parse_retry_after(value: &str, wall_ms: i64) -> Result<Duration, String> 
     }
     match httpdate::parse_http_date(v) {
         Ok(at) => {
-            let at_ms = at.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+            let at_ms = at
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
             let delay_ms = at_ms.saturating_sub(wall_ms).max(0) as u64;
             Ok(Duration::from_millis(delay_ms).min(MAX_PENALTY))
         }

@@ -449,9 +449,7 @@ impl Config {
         if self.server.workers > 0 {
             self.server.workers
         } else {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
+            std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
         }
     }
 }
