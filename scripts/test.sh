@@ -12,6 +12,8 @@ command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v npm >/dev/null 2>&1 || need_apt+=(npm)
+# nginx for the edge check's auth_request test (tests/nginx_edge.rs); Debian keeps it in /usr/sbin.
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing test dependencies: ${need_apt[*]}"
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -19,6 +21,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # The Debian package starts a Prometheus service of its own; the tests run their own instances.
   $SUDO systemctl stop prometheus 2>/dev/null || $SUDO pkill -x prometheus 2>/dev/null || true
+  # Likewise nginx: the test runs its own, on a free loopback port.
+  $SUDO systemctl stop nginx 2>/dev/null || true
 fi
 
 echo "== layers and file sizes (scripts/check_layers.sh)"
