@@ -54,8 +54,8 @@ pub const TICK_SLOTS: u64 = 4 * SHARDS as u64;
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A running tenant actor, as the registry knows it: its name and everything a call reads in one
-/// cache line, so that finding a tenant's actor costs one line of the registry (the entry was 56
-/// bytes with its name stored beside it, and three in four of them straddled two lines).
+/// cache line, so that finding a tenant's actor costs one line of the registry: a name stored beside
+/// the entry instead of inside it would make most entries straddle two lines.
 #[repr(align(64))]
 struct Entry {
     /// The tenant's name, inline up to 24 bytes, so a lookup compares it without a further miss.

@@ -138,9 +138,9 @@ impl<T> Leases<T> {
 ///
 /// Almost every lease ends one TTL after its admission, so ends arrive in time order and a FIFO
 /// holds them: adding one writes at the queue's tail, expiring reads at its head, one cache line
-/// each (and expiries read the head's lines one after another). A binary heap, used before, compared
-/// with a parent on every push and walked from its root to a leaf on every expiry: with hundreds of
-/// leases per tenant and a thousand tenants, each step of that walk was a cache miss.
+/// each (and expiries read the head's lines one after another). A binary heap would compare with a
+/// parent on every push and walk from its root to a leaf on every expiry: with hundreds of leases per
+/// tenant and a thousand tenants, each step of that walk is a cache miss.
 /// The few ends that come out of order (a held call's lease ends its hold later than its
 /// neighbours', and a reload that shortens `lease_ttl` makes new ends earlier than old ones) go to a
 /// small heap beside the queue.

@@ -1294,8 +1294,8 @@ fn adaptive_refusals_at_one_moment_are_told_times_a_refill_step_apart() {
 }
 
 /// Refused calls are promised staggered retry slots. A loop that ignores its hints takes a new promise
-/// on every try; with one promise cursor per shared bucket that pushed every other tenant's hint out
-/// without bound (59 s after 20 s of looping, for a token 50 ms away). Cursors are now per tenant.
+/// on every try; with one promise cursor per shared bucket, that would push every other tenant's hint
+/// out without bound. Cursors are per tenant, so another tenant's hint stays near its token.
 #[test]
 fn a_loop_ignoring_its_hints_does_not_inflate_other_tenants_hints() {
     let sim = Sim::new(&roomy(FAIR_CFG));

@@ -1,4 +1,5 @@
-//! The admission engine for one tenant: every layer of DESIGN.md, as plain data driven by `now`.
+//! The admission engine for one tenant: every layer of docs/architecture.md, as plain data driven by
+//! `now`.
 //!
 //! A [`TenantEngine`] owns one tenant's buckets (subject, subject×tool, tenant, tenant×upstream),
 //! concurrency slots, daily quotas, upstream penalty boxes, adaptive-throttle windows, leases and the FIFO
