@@ -1,0 +1,104 @@
+//! `deploy/envoy/envoy.yaml`, checked for structure (Envoy itself does not run in the tests): the
+//! ext_authz filter asks admitd's edge check before the router, forwards every header the check
+//! reads, passes a refusal's headers to the client, and names only clusters that exist.
+
+use serde_norway::Value;
+
+fn envoy() -> Value {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/envoy/envoy.yaml"
+    ))
+    .unwrap();
+    serde_norway::from_str(&text).expect("envoy.yaml is YAML")
+}
+
+fn patterns(v: &Value) -> Vec<String> {
+    v["patterns"]
+        .as_sequence()
+        .expect("a list of patterns")
+        .iter()
+        .map(|p| p["exact"].as_str().expect("exact patterns").to_string())
+        .collect()
+}
+
+#[test]
+fn the_envoy_example_asks_the_edge_check_first_and_passes_its_headers() {
+    let e = envoy();
+    let clusters: Vec<&str> = e["static_resources"]["clusters"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let name = c["name"].as_str().unwrap();
+            assert_eq!(c["load_assignment"]["cluster_name"].as_str(), Some(name));
+            name
+        })
+        .collect();
+    let listeners = e["static_resources"]["listeners"].as_sequence().unwrap();
+    assert_eq!(listeners.len(), 1);
+    let hcm = &listeners[0]["filter_chains"][0]["filters"][0];
+    assert_eq!(
+        hcm["name"].as_str(),
+        Some("envoy.filters.network.http_connection_manager")
+    );
+    let cfg = &hcm["typed_config"];
+    assert!(cfg["@type"]
+        .as_str()
+        .unwrap()
+        .ends_with("v3.HttpConnectionManager"));
+    // Envoy sets X-Envoy-External-Address from the peer only with use_remote_address.
+    assert_eq!(cfg["use_remote_address"].as_bool(), Some(true));
+    for host in cfg["route_config"]["virtual_hosts"].as_sequence().unwrap() {
+        for route in host["routes"].as_sequence().unwrap() {
+            let c = route["route"]["cluster"].as_str().unwrap();
+            assert!(clusters.contains(&c), "route to unknown cluster {c}");
+        }
+    }
+    let filters = cfg["http_filters"].as_sequence().unwrap();
+    let names: Vec<&str> = filters
+        .iter()
+        .map(|f| f["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["envoy.filters.http.ext_authz", "envoy.filters.http.router"],
+        "ext_authz must run before the router"
+    );
+    let authz = &filters[0]["typed_config"];
+    assert!(authz["@type"]
+        .as_str()
+        .unwrap()
+        .ends_with("ext_authz.v3.ExtAuthz"));
+    assert_eq!(authz["transport_api_version"].as_str(), Some("V3"));
+    assert_eq!(authz["failure_mode_allow"].as_bool(), Some(false));
+    let http = &authz["http_service"];
+    assert_eq!(http["path_prefix"].as_str(), Some("/v1/edge/check"));
+    let admitd = http["server_uri"]["cluster"].as_str().unwrap();
+    assert!(clusters.contains(&admitd));
+    let sent = patterns(&http["authorization_request"]["allowed_headers"]);
+    for h in [
+        "x-api-key",
+        "mcp-method",
+        "mcp-name",
+        "mcp-protocol-version",
+        "x-envoy-external-address",
+    ] {
+        assert!(
+            sent.iter().any(|s| s == h),
+            "{h} is not forwarded to admitd"
+        );
+    }
+    let response = &http["authorization_response"];
+    let to_client = patterns(&response["allowed_client_headers"]);
+    for h in ["retry-after", "ratelimit", "ratelimit-policy"] {
+        assert!(
+            to_client.iter().any(|s| s == h),
+            "{h} is not passed to the client"
+        );
+    }
+    let on_success = patterns(&response["allowed_client_headers_on_success"]);
+    assert!(on_success.iter().any(|s| s == "ratelimit"));
+    let upstream = patterns(&response["allowed_upstream_headers"]);
+    assert!(upstream.iter().any(|s| s == "x-admitd-tenant"));
+}
