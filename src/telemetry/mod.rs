@@ -631,6 +631,10 @@ pub(crate) fn series_value(text: &str, series: &str) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
     use super::names::{self, MetricKind, METRIC_HELP};
     use super::{fnv1a, hash_identity, hex16, histogram, keyed_hash, render, Throttle};
     use crate::clock::NS_PER_SEC;
@@ -773,5 +777,101 @@ mod tests {
         assert_eq!(hash_identity(""), "cbf29ce484222325");
         assert_eq!(hash_identity("a"), "af63dc4c8601ec8c");
         assert_eq!(hash_identity("foobar"), "85944171f73967e8");
+    }
+
+    /// Counts the events it receives.
+    struct Collector(std::sync::Arc<AtomicU64>);
+
+    impl actix::Actor for Collector {
+        type Context = actix::Context<Self>;
+    }
+
+    impl actix::Handler<super::Batch> for Collector {
+        type Result = ();
+        fn handle(&mut self, b: super::Batch, _: &mut actix::Context<Self>) {
+            self.0.fetch_add(b.0.len() as u64, Ordering::SeqCst);
+        }
+    }
+
+    impl actix::Handler<super::Settle> for Collector {
+        type Result = ();
+        fn handle(&mut self, _: super::Settle, _: &mut actix::Context<Self>) {}
+    }
+
+    fn feedback() -> super::FeedbackEvent {
+        super::FeedbackEvent {
+            tenant: "acme".into(),
+            upstream: "crm".into(),
+            status: 429,
+            retry_after: None,
+            penalty_ms: None,
+        }
+    }
+
+    #[test]
+    fn settling_brings_what_a_worker_batched_to_the_sinks() {
+        use actix::Actor;
+        actix::System::new().block_on(async {
+            let seen = Arc::new(AtomicU64::new(0));
+            let collector = Collector(seen.clone()).start();
+            let t = super::Telemetry {
+                sinks: Arc::new(vec![super::Sink {
+                    recipient: collector.clone().recipient(),
+                    settle: Some(collector.recipient()),
+                }]),
+                ..super::Telemetry::default()
+            };
+            // A worker that batches and never flushes by itself (no periodic flush here).
+            let worker = actix::Arbiter::new();
+            let (batched, reported) = tokio::sync::oneshot::channel();
+            let w = t.clone();
+            worker.spawn(async move {
+                w.batch_this_thread();
+                w.feedback(feedback());
+                w.feedback(feedback());
+                let _ = batched.send(());
+            });
+            reported.await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            assert_eq!(
+                seen.load(Ordering::SeqCst),
+                0,
+                "still in the worker's batch"
+            );
+            t.settle().await;
+            assert_eq!(seen.load(Ordering::SeqCst), 2);
+            worker.stop();
+        });
+    }
+
+    #[test]
+    fn concurrent_alert_reads_share_refreshes() {
+        use actix::Actor;
+        actix::System::new().block_on(async {
+            let clock: Arc<dyn crate::clock::Clock> = Arc::new(crate::clock::FakeClock::new(0));
+            let cfg = crate::config::Config::default().alerts;
+            let alerts = super::alerts::AlertActor::new(cfg, clock, Arc::default()).start();
+            let t = super::Telemetry {
+                alerts: Some(alerts),
+                ..super::Telemetry::default()
+            };
+            let asked = Arc::new(AtomicU64::new(0));
+            let report = || {
+                let asked = asked.clone();
+                async move {
+                    asked.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            };
+            let reads: Vec<_> = (0..8).map(|_| t.refresh_alerts(report())).collect();
+            futures_util::future::join_all(reads).await;
+            // The first read refreshes; the seven that asked meanwhile share the one refresh that
+            // began after they asked (or, asked in the same instant, the first).
+            let n = asked.load(Ordering::SeqCst);
+            assert!((1..=2).contains(&n), "{n} refreshes for 8 concurrent reads");
+            // A read that comes later refreshes again.
+            t.refresh_alerts(report()).await;
+            assert_eq!(asked.load(Ordering::SeqCst), n + 1);
+        });
     }
 }
