@@ -61,6 +61,8 @@ export interface AdmitdOptions {
   timeoutMs?: number;
   /** Reaching admitd; short, so that failOpen decides quickly. Default 500. */
   connectTimeoutMs?: number;
+  /** Sent as `Authorization: Bearer` when admitd requires caller tokens (server.api_tokens_sha256). */
+  token?: string;
   /** Run calls without a lease when admitd is unreachable (default), or refuse them. */
   failOpen?: boolean;
   /** The wait the refusal asks for when admitd is unreachable and failOpen is false. Default 5. */

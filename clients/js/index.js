@@ -65,7 +65,7 @@ function retryAfterValue(v) {
 export class Admitd {
   constructor(
     url = "http://127.0.0.1:9470",
-    { timeoutMs = 2000, connectTimeoutMs = 500, failOpen = true, unavailableRetryS = 5, logger = console } = {},
+    { timeoutMs = 2000, connectTimeoutMs = 500, failOpen = true, unavailableRetryS = 5, token, logger = console } = {},
   ) {
     if (typeof url === "string" && url.startsWith("unix:")) {
       const path = url.slice("unix:".length);
@@ -89,6 +89,10 @@ export class Admitd {
       this.host = u.hostname.replace(/^\[(.*)\]$/, "$1");
       this.port = Number(u.port || 80);
     }
+    if (token != null && !/^[\x21-\x7e]+$/.test(token)) {
+      throw new TypeError("an admitd token is visible ASCII without spaces");
+    }
+    this.auth = token ? { authorization: `Bearer ${token}` } : {};
     this.agent = new http.Agent({ keepAlive: true });
     this.timeoutMs = timeoutMs;
     this.connectTimeoutMs = connectTimeoutMs;
@@ -143,7 +147,7 @@ export class Admitd {
   // loopback address it would be asked for.
   #send(method, path, payload, headers, timeoutMs) {
     return new Promise((resolve, reject) => {
-      const h = { ...headers };
+      const h = { ...this.auth, ...headers };
       if (payload !== undefined) {
         h["content-type"] = "application/json";
         h["content-length"] = Buffer.byteLength(payload);

@@ -4,7 +4,9 @@
 //   ADMITD_BIN=target/debug/admitd node --test clients/js/test/
 
 import { spawn } from "node:child_process";
-import { readFile } from "node:fs/promises";
+import { createHash } from "node:crypto";
+import { mkdtemp, readFile, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
 import { createServer } from "node:net";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
@@ -185,6 +187,43 @@ describe("against the daemon", { skip: haveBinary ? false : `no admitd binary at
       agent.addRequest = orig;
     }
     assert.equal(sockets.size, 1, `${sockets.size} connections for 10 requests`);
+  });
+});
+
+describe("over a Unix socket, with a caller token required", { skip: haveBinary ? false : `no admitd binary at ${BIN}` }, () => {
+  const TOKEN = "client-test-token-7f3a9c";
+  let daemon;
+  let sockDir;
+  before(async () => {
+    sockDir = await mkdtemp(join(tmpdir(), "admitd-js-sock-"));
+    const digest = createHash("sha256").update(TOKEN).digest("hex");
+    const config = CONFIG.replace("[server]\n", `[server]\napi_tokens_sha256 = ["${digest}"]\n`);
+    daemon = await startDaemon(config, `unix:${join(sockDir, "admitd.sock")}`);
+  });
+  after(async () => {
+    await daemon?.stop();
+    await rm(sockDir, { recursive: true, force: true });
+  });
+
+  test("calls go over the socket with the token", async () => {
+    assert.equal(daemon.url, `unix:${join(sockDir, "admitd.sock")}`);
+    const admitd = new Admitd(daemon.url, { token: TOKEN, logger: quiet });
+    const value = await admitd.call({ tenant: "u-js", subject: "bot", tool: "search" }, async (call) => {
+      assert.equal(call.decision.degraded, false);
+      assert.equal((await admitd.tenant("u-js")).inflight, 1);
+      return "ran";
+    });
+    assert.equal(value, "ran");
+    assert.equal((await admitd.tenant("u-js")).inflight, 0);
+    admitd.close();
+    const anonymous = new Admitd(daemon.url, { logger: quiet });
+    await assert.rejects(anonymous.admit({ tenant: "u-js", subject: "bot", tool: "search" }), (e) => {
+      assert.ok(e instanceof AdmitdError);
+      assert.equal(e.status, 401);
+      return true;
+    });
+    anonymous.close();
+    assert.throws(() => new Admitd(daemon.url, { token: "abc\r\nx-evil: 1" }), TypeError);
   });
 });
 

@@ -15,11 +15,11 @@ export const BIN = process.env.ADMITD_BIN ?? join(ROOT, "target", "debug", "admi
 
 export const quiet = { warn() {}, info() {} };
 
-export async function startDaemon(config) {
+export async function startDaemon(config, listen = "127.0.0.1:0") {
   const dir = await mkdtemp(join(tmpdir(), "admitd-js-"));
   const path = join(dir, "admitd.toml");
   await writeFile(path, config);
-  const child = spawn(BIN, ["serve", "--listen", "127.0.0.1:0", "--config", path], {
+  const child = spawn(BIN, ["serve", "--listen", listen, "--config", path], {
     stdio: ["ignore", "ignore", "pipe"],
   });
   // Never outlive the tests, whatever ends them. The address counts once its line is complete:
@@ -40,7 +40,8 @@ export async function startDaemon(config) {
     child.on("exit", (code) => fail(new Error(`admitd exited (${code}): ${seen}`)));
   });
   return {
-    url: `http://${addr}`,
+    url: addr.startsWith("unix:") ? addr : `http://${addr}`,
+    dir,
     async stop() {
       const exited = new Promise((ok) => child.once("exit", ok));
       child.kill("SIGTERM");

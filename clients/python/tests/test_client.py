@@ -5,8 +5,10 @@
 """
 
 import asyncio
+import hashlib
 import os
 import socket
+import tempfile
 import threading
 import time
 import unittest
@@ -249,6 +251,57 @@ class AsyncAgainstTheDaemon(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(len(held), 10)
         self.assertGreater(time.monotonic() - started, 0.5)
         self.assertEqual(peak, threads_before)
+
+
+class OverAUnixSocketWithATokenRequired(unittest.TestCase):
+    """Both clients reach a daemon that listens on a Unix socket and requires a caller token."""
+
+    TOKEN = "client-test-token-7f3a9c"
+
+    @classmethod
+    def setUpClass(cls):
+        require_binary()
+        cls.sockdir = tempfile.TemporaryDirectory()
+        cls.url = "unix:" + os.path.join(cls.sockdir.name, "admitd.sock")
+        digest = hashlib.sha256(cls.TOKEN.encode()).hexdigest()
+        config = CONFIG.replace("[server]\n", f'[server]\napi_tokens_sha256 = ["{digest}"]\n', 1)
+        cls.daemon = Daemon(config, ["--listen", cls.url])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+        cls.sockdir.cleanup()
+
+    def test_the_blocking_client(self):
+        self.assertEqual(self.daemon.url, self.url)
+        with Admitd(self.url, token=self.TOKEN) as client:
+            with client.call("u-sync", "bot", "search") as call:
+                self.assertTrue(call.admitted and not call.decision.degraded)
+                self.assertEqual(client.tenant("u-sync")["inflight"], 1)
+            self.assertEqual(client.tenant("u-sync")["inflight"], 0)
+        with Admitd(self.url) as anonymous:
+            with self.assertRaises(AdmitdError) as e:
+                anonymous.admit("u-sync", "bot", "search")
+            self.assertEqual(e.exception.status, 401)
+
+    def test_the_asyncio_client(self):
+        async def main():
+            async with AsyncAdmitd(self.url, token=self.TOKEN) as client:
+                async with client.call("u-async", "bot", "search") as call:
+                    self.assertTrue(call.admitted and not call.decision.degraded)
+                    self.assertEqual((await client.tenant("u-async"))["inflight"], 1)
+                self.assertEqual((await client.tenant("u-async"))["inflight"], 0)
+            async with AsyncAdmitd(self.url, token="wrong-token") as anonymous:
+                with self.assertRaises(AdmitdError) as e:
+                    await anonymous.admit("u-async", "bot", "search")
+                self.assertEqual(e.exception.status, 401)
+
+        asyncio.run(main())
+
+    def test_a_token_cannot_carry_a_header_break(self):
+        for cls in (Admitd, AsyncAdmitd):
+            with self.assertRaises(ValueError):
+                cls(self.url, token="abc\r\nX-Evil: 1")
 
 
 class WithoutTheDaemon(unittest.TestCase):

@@ -46,7 +46,8 @@ class _Conn:
 class AsyncAdmitd:
     """An asyncio client of one admitd; use it from one event loop.
 
-    ``url`` is ``http://host:port`` or ``unix:/path/to/admitd.sock``. ``connect_timeout`` bounds
+    ``url`` is ``http://host:port`` or ``unix:/path/to/admitd.sock``; ``token`` is sent as
+    ``Authorization: Bearer`` when admitd requires caller tokens. ``connect_timeout`` bounds
     reaching admitd (short, so that ``fail_open`` decides quickly); ``timeout`` bounds each answer,
     on top of the wait admitd may hold an admission for. At most ``max_idle`` connections are kept
     open between requests."""
@@ -59,6 +60,7 @@ class AsyncAdmitd:
         connect_timeout: float = 0.5,
         fail_open: bool = True,
         unavailable_retry_s: int = 5,
+        token: Optional[str] = None,
         max_idle: int = 16,
     ):
         self.endpoint = Endpoint.parse(url)
@@ -66,6 +68,7 @@ class AsyncAdmitd:
         self.connect_timeout = connect_timeout
         self.fail_open = fail_open
         self.unavailable_retry_s = max(1, int(unavailable_retry_s))
+        self._auth = _wire.auth_header(token)
         self.max_idle = max_idle
         self._idle: List[_Conn] = []
         # Releases that outlive a cancelled caller: held here until they finish.
@@ -111,7 +114,7 @@ class AsyncAdmitd:
         head = [f"{method} {path} HTTP/1.1", f"Host: {self.endpoint.host_header}"]
         if data is not None:
             head += ["Content-Type: application/json", f"Content-Length: {len(data)}"]
-        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        head += [f"{k}: {v}" for k, v in {**self._auth, **(headers or {})}.items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (data or b"")
         for attempt in (1, 2):
             conn = self._idle.pop() if self._idle else None

@@ -66,7 +66,8 @@ class Admitd:
     """A blocking client of one admitd. Safe to share between threads (one keep-alive
     connection each).
 
-    ``url`` is ``http://host:port`` or ``unix:/path/to/admitd.sock``. ``connect_timeout`` bounds
+    ``url`` is ``http://host:port`` or ``unix:/path/to/admitd.sock``; ``token`` is sent as
+    ``Authorization: Bearer`` when admitd requires caller tokens. ``connect_timeout`` bounds
     reaching admitd (short: it runs beside the server, and ``fail_open`` should decide quickly);
     ``timeout`` bounds each answer, on top of the wait admitd may hold an admission for."""
 
@@ -78,12 +79,14 @@ class Admitd:
         connect_timeout: float = 0.5,
         fail_open: bool = True,
         unavailable_retry_s: int = 5,
+        token: Optional[str] = None,
     ):
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.fail_open = fail_open
         self.unavailable_retry_s = max(1, int(unavailable_retry_s))
+        self._auth = _wire.auth_header(token)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._open: "weakref.WeakSet[_Connection]" = weakref.WeakSet()
@@ -130,6 +133,7 @@ class Admitd:
     ) -> Tuple[int, Dict[str, str], Any]:
         data = _wire.encode(body)
         hdrs = {"Content-Type": "application/json"} if data is not None else {}
+        hdrs.update(self._auth)
         hdrs.update(headers or {})
         for attempt in (1, 2):
             conn = self._connection()

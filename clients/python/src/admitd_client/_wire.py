@@ -94,6 +94,15 @@ class Endpoint:
         return f"unix:{self.unix_path}" if self.unix_path is not None else self.host_header
 
 
+def auth_header(token: Optional[str]) -> Dict[str, str]:
+    """The ``Authorization`` header for admitd's caller tokens (none without a token)."""
+    if not token:
+        return {}
+    if any(ord(c) < 0x21 or ord(c) > 0x7E for c in token):
+        raise ValueError("an admitd token is visible ASCII without spaces")
+    return {"Authorization": f"Bearer {token}"}
+
+
 def encode(body: Optional[Mapping[str, Any]]) -> Optional[bytes]:
     return None if body is None else json.dumps(body, separators=(",", ":")).encode()
 
