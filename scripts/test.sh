@@ -67,6 +67,10 @@ js_tmp=$(mktemp -d)
     new Admission(new Admitd("unix:/run/admitd/admitd.sock"));')
 rm -rf "$js_tmp"
 
+echo "== docs: snippets match the files the tests run, internal links resolve"
+python3 scripts/docs.py snippets --check
+python3 scripts/docs.py links
+
 echo "== operator artifacts"
 bash tests/ops/check_ops.sh
 

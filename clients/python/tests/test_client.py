@@ -86,9 +86,20 @@ class AgainstTheDaemon(unittest.TestCase):
         self.assertTrue(call._released)
 
     def test_an_upstream_429_puts_the_upstream_in_the_penalty_box(self):
-        with self.admitd.call("t-429", "bot", "get_sales") as call:
-            self.assertTrue(call.admitted)
-            call.upstream_response(429, "30")
+        admitd, tenant, subject = self.admitd, "t-429", "bot"
+
+        def get_sales(region: str) -> dict:
+            status, retry_after = 429, "30"  # what the warehouse answered
+            # [integrations:plain]
+            with admitd.call(tenant, subject, "get_sales", upstream="warehouse") as call:
+                if not call.admitted:
+                    return call.tool_result  # the CallToolResult for the model, unchanged
+                # ... call the upstream ...
+                call.upstream_response(status, retry_after)  # a 429 starts the penalty box
+                return {"content": [{"type": "text", "text": f"sales in {region}"}]}
+            # [/integrations:plain]
+
+        self.assertNotIn("isError", get_sales("emea"))
         again = self.admitd.admit("t-429", "other-bot", "get_sales", max_wait_ms=0)
         self.assertFalse(again.admitted)
         self.assertEqual(again.scope, "upstream_penalty")
