@@ -175,7 +175,7 @@ fn an_early_answer_leaves_the_connection_usable_or_says_it_closes() {
     ];
     // The race needs the body to arrive after the answer went out; the delays cover both orders.
     let delays = [0u64, 1, 5, 20];
-    let rounds = 12;
+    let rounds = 25;
     let mut conn = Conn::open(&d.addr);
     let mut kept = 0;
     for c in &cases {
