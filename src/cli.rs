@@ -1,4 +1,4 @@
-//! The command line: `admitd serve` and `admitd check`.
+//! The command line: `admitd serve`, `admitd check` and `admitd health`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -33,6 +33,58 @@ pub enum Command {
         #[arg(long, value_name = "FILE")]
         config: PathBuf,
     },
+    /// Ask a running daemon's /healthz (or /readyz with --ready): exit 0 on 200, 1 otherwise. For
+    /// container health checks: no HTTP client needed.
+    Health {
+        /// Config file whose `[server] listen` names the daemon (only that key is read).
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        /// Address of the daemon (`HOST:PORT` or `unix:/PATH`); wins over the config's `listen`.
+        /// A wildcard address (0.0.0.0, [::]) is probed on loopback.
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<ListenAddr>,
+        /// Probe /readyz instead of /healthz.
+        #[arg(long)]
+        ready: bool,
+        /// Give up after this long (e.g. 2s, 500ms).
+        #[arg(long, value_name = "DURATION", default_value = "2s")]
+        timeout: String,
+    },
+}
+
+/// The `listen` of a config file, read on its own: a health probe must not fail on a key it
+/// does not need (a secret file it cannot read, for instance).
+fn listen_of(path: &std::path::Path) -> Result<Option<ListenAddr>, String> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{shown}: cannot read: {e}"))?;
+    let table: toml::Table =
+        toml::from_str(&text).map_err(|e| format!("{shown}: {}", e.message()))?;
+    match table.get("server").and_then(|s| s.get("listen")) {
+        None => Ok(None),
+        Some(toml::Value::String(v)) => v
+            .parse()
+            .map(Some)
+            .map_err(|e| format!("{shown}: server.listen: {e}")),
+        Some(_) => Err(format!("{shown}: server.listen must be a string")),
+    }
+}
+
+fn health(
+    config: Option<PathBuf>,
+    listen: Option<ListenAddr>,
+    ready: bool,
+    timeout: &str,
+) -> Result<(String, u16), String> {
+    let timeout = crate::config::parse_duration(timeout).map_err(|e| format!("--timeout: {e}"))?;
+    let listen = match (listen, config) {
+        (Some(l), _) => l,
+        (None, Some(path)) => listen_of(&path)?.unwrap_or_else(|| Config::default().server.listen),
+        (None, None) => Config::default().server.listen,
+    };
+    let target = crate::health::probe_target(&listen);
+    let path = if ready { "/readyz" } else { "/healthz" };
+    let status = crate::health::probe(&target, path, timeout)?;
+    Ok((format!("{target}{path}"), status))
 }
 
 fn init_logging() {
@@ -49,6 +101,25 @@ fn init_logging() {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Health {
+            config,
+            listen,
+            ready,
+            timeout,
+        } => match health(config, listen, ready, &timeout) {
+            Ok((what, 200)) => {
+                println!("{what}: 200");
+                ExitCode::SUCCESS
+            }
+            Ok((what, status)) => {
+                eprintln!("{what}: {status}");
+                ExitCode::from(1)
+            }
+            Err(e) => {
+                eprintln!("admitd health: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
                 println!(

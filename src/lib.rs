@@ -15,6 +15,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod engine;
+pub mod health;
 mod prefetch;
 pub mod server;
 pub mod state;

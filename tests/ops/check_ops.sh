@@ -238,6 +238,26 @@ for path in ("deploy/kubernetes/sidecar.yaml", "deploy/otel-collector/config.yam
     print(f"{path}: {len(docs)} document(s)")
 PY
 
+# --- systemd unit ---------------------------------------------------------------------------------------
+step "systemd-analyze verify deploy/admitd.service"
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+    echo "SKIP: systemd-analyze is not installed here (it comes with systemd); the unit was not verified"
+else
+    # verify checks that ExecStart's binary exists: point the unit at the binary built here (or at
+    # /bin/true when none is built), in a copy named like the original.
+    UNIT_BIN=""
+    for candidate in "${ADMITD:-}" target/release/admitd target/debug/admitd; do
+        if [ -n "$candidate" ] && [ -x "$candidate" ]; then UNIT_BIN="$(cd "$(dirname "$candidate")" && pwd)/$(basename "$candidate")"; break; fi
+    done
+    [ -n "$UNIT_BIN" ] || UNIT_BIN=/bin/true
+    mkdir -p "$TMP/unit"
+    sed "s#/usr/local/bin/admitd#$UNIT_BIN#g" deploy/admitd.service > "$TMP/unit/admitd.service"
+    # Unknown keys and unparsable values are only warnings to systemd: any output is a failure here.
+    out="$(systemd-analyze verify "$TMP/unit/admitd.service" 2>&1)" || fail "systemd-analyze verify: $out"
+    [ -z "$out" ] || fail "systemd-analyze verify warned: $out"
+    echo "deploy/admitd.service: verified"
+fi
+
 # --- example configs ------------------------------------------------------------------------------------
 # The Kubernetes ConfigMap embeds a second config; extract it so it gets the same checks.
 python3 - "$TMP/sidecar.toml" <<'PY'
@@ -265,7 +285,7 @@ if [ -z "$ADMITD_BIN" ]; then
     echo "SKIP: no admitd binary with a 'check' command (build it with 'cargo build', or set ADMITD=path)"
 else
     echo "using $ADMITD_BIN"
-    for cfg in deploy/admitd.example.toml "$TMP/sidecar.toml" benches/throughput.toml; do
+    for cfg in deploy/admitd.example.toml deploy/container.toml "$TMP/sidecar.toml" benches/throughput.toml; do
         [ -f "$cfg" ] || continue
         label="$cfg"
         [ "$cfg" = "$TMP/sidecar.toml" ] && label="deploy/kubernetes/sidecar.yaml (ConfigMap admitd.toml)"
