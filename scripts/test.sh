@@ -34,6 +34,15 @@ cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets -- -D warnings
 
+echo "== cargo deny (licenses, bans, sources; deny.toml)"
+# Pinned; a cold install takes about 5 minutes on two cores. Advisories are left out: their database
+# is fetched from GitHub, which CI cannot reach (deny.toml says so too).
+CARGO_DENY_VERSION=0.20.2
+if ! cargo deny --version 2>/dev/null | grep -q "cargo-deny $CARGO_DENY_VERSION"; then
+  cargo install --locked "cargo-deny@$CARGO_DENY_VERSION"
+fi
+cargo deny check licenses bans sources
+
 echo "== cargo test"
 cargo test --all-features
 
