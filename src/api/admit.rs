@@ -888,3 +888,7 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[path = "admit_props.rs"]
+mod props;
