@@ -54,3 +54,23 @@ fn a_tool_that_can_never_fit_is_a_warning() {
         "{err}"
     );
 }
+
+/// `[store]` keys are checked like every other key; a Redis store, which this version does not have,
+/// is refused rather than silently replaced by per-process limits.
+#[test]
+fn store_keys_are_checked_and_a_redis_store_is_refused() {
+    let (code, out, err) =
+        check("[store]\nkind = \"memory\"\ntimeout = \"20ms\"\non_error = \"fail_open\"\n");
+    assert_eq!(code, 0, "{out}{err}");
+
+    let (code, _, err) = check("[store]\nkind = \"memory\"\non_error = \"shrug\"\n");
+    assert_eq!(code, 1);
+    assert!(err.starts_with("admitd.toml:3: store.on_error"), "{err}");
+
+    let (code, _, err) = check("[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n");
+    assert_eq!(code, 1);
+    assert!(
+        err.starts_with("admitd.toml:2: store.kind = \"redis\" is not available"),
+        "{err}"
+    );
+}

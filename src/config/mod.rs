@@ -22,6 +22,7 @@ mod model;
 mod raw;
 pub mod server_auth;
 mod state;
+pub mod store;
 pub mod units;
 mod validate;
 
@@ -34,6 +35,7 @@ pub use listen::{ListenAddr, SocketOptions};
 pub use model::*;
 pub use server_auth::{IdentityKey, ServerAuth};
 pub use state::{OverloadConfig, StateConfig};
+pub use store::{OnError, StoreConfig, StoreKind};
 pub use units::{parse_duration, parse_rate, Rate};
 pub use validate::MAX_REFILL_YEARS;
 

@@ -326,6 +326,7 @@ pub struct Config {
     pub edge: Option<super::EdgeConfig>,
     pub state: super::StateConfig,
     pub overload: super::OverloadConfig,
+    pub store: super::store::StoreConfig,
 }
 
 /// `[tenants.NAME]`.
@@ -398,6 +399,7 @@ impl Default for Config {
             edge: None,
             state: Default::default(),
             overload: Default::default(),
+            store: super::store::StoreConfig::default(),
         }
     }
 }

@@ -96,6 +96,7 @@ pub(super) struct RawConfig {
     pub(super) edge: Option<super::edge::RawEdge>,
     pub(super) state: Option<super::state::RawState>,
     pub(super) overload: Option<super::state::RawOverload>,
+    pub(super) store: Option<super::store::RawStore>,
 }
 
 #[derive(Deserialize, Default)]

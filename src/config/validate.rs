@@ -418,6 +418,9 @@ impl Validator<'_> {
         if let Some(o) = raw.overload {
             first.note(self.overload(o, &mut cfg.overload));
         }
+        if let Some(s) = raw.store {
+            first.note(self.store(s, &mut cfg.store));
+        }
 
         first.or(cfg)
     }
