@@ -14,6 +14,8 @@ command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v npm >/dev/null 2>&1 || need_apt+=(npm)
 # nginx for the edge check's auth_request test (tests/nginx_edge.rs); Debian keeps it in /usr/sbin.
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
+# redis-server (it brings redis-cli through redis-tools) for the shared store tests (tests/common/redis.rs).
+{ command -v redis-server && command -v redis-cli; } >/dev/null 2>&1 || need_apt+=(redis-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing test dependencies: ${need_apt[*]}"
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -23,6 +25,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO systemctl stop prometheus 2>/dev/null || $SUDO pkill -x prometheus 2>/dev/null || true
   # Likewise nginx: the test runs its own, on a free loopback port.
   $SUDO systemctl stop nginx 2>/dev/null || true
+  # And Redis: the tests start their own servers and clusters on free loopback ports.
+  # Without systemd, the init script stops the one it started (by its pid file), not the tests' own.
+  $SUDO systemctl stop redis-server 2>/dev/null || $SUDO service redis-server stop 2>/dev/null || true
 fi
 
 echo "== layers and file sizes (scripts/check_layers.sh)"
@@ -76,9 +81,11 @@ js_tmp=$(mktemp -d)
     new Admission(new Admitd("unix:/run/admitd/admitd.sock"));')
 rm -rf "$js_tmp"
 
-echo "== docs: snippets match the files the tests run, internal links resolve"
+echo "== docs: snippets match the files the tests run, internal links resolve, the walk-through is current"
 python3 scripts/docs.py snippets --check
 python3 scripts/docs.py links
+# README's curl walk-through, regenerated from the daemon built above; fails with a diff when stale.
+ADMITD_BIN=target/debug/admitd python3 scripts/walkthrough.py --check
 
 echo "== operator artifacts"
 bash tests/ops/check_ops.sh
