@@ -2,6 +2,8 @@
 //! stranger's client would.
 #![allow(dead_code)]
 
+pub mod redis;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
