@@ -19,6 +19,7 @@ pub mod health;
 mod prefetch;
 pub mod server;
 pub mod state;
+pub mod store;
 pub mod telemetry;
 #[cfg(unix)]
 pub mod unix_socket;

@@ -212,7 +212,16 @@ async fn run(config: Config) -> Result<(), String> {
         .as_ref()
         .map(|t| t.telemetry.clone())
         .unwrap_or_default();
-    let shared = Shared::new(config, clock, events, handles);
+    let store_cfg = config.store.clone();
+    let shared = Shared::new(config, clock, events.clone(), handles);
+    match store_cfg.kind {
+        crate::config::StoreKind::Redis => {
+            shared.set_store(crate::store::RedisStore::start(&store_cfg, events).await?);
+        }
+        crate::config::StoreKind::Memory => {
+            ::metrics::gauge!(crate::telemetry::names::STORE_MODE, "mode" => "memory").set(1.0);
+        }
+    }
     let global = GlobalActor::new(shared.clone()).start();
     let app = Arc::new(App {
         shared: shared.clone(),

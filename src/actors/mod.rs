@@ -11,6 +11,7 @@
 //! tenant actor updates directly (see [`crate::engine::shared`] for why).
 
 pub mod global;
+mod remote;
 pub mod tenant;
 
 use std::collections::hash_map::DefaultHasher;
@@ -92,6 +93,12 @@ pub struct Shared {
     next_generation: AtomicU64,
     /// Set once shutdown starts: new admissions are refused and `/readyz` answers 503.
     stopping: AtomicBool,
+    /// The shared store, when `[store] kind = "redis"` (set once at start, before any tenant).
+    store: std::sync::OnceLock<Arc<crate::store::RedisStore>>,
+    /// `local_fallback`'s config (every limit divided by the replicas) for the config it was made
+    /// from, and its cross-tenant budgets.
+    fallback: parking_lot::Mutex<Option<(Arc<Config>, Arc<Config>)>>,
+    fallback_budgets: std::sync::OnceLock<Arc<SharedBudgets>>,
 }
 
 /// Why a tenant actor could not answer.
@@ -132,7 +139,39 @@ impl Shared {
             shards: (0..SHARDS).map(|_| RwLock::new(Table::new())).collect(),
             next_generation: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
+            store: std::sync::OnceLock::new(),
+            fallback: parking_lot::Mutex::new(None),
+            fallback_budgets: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The shared store, when admissions are decided on one.
+    pub fn store(&self) -> Option<&Arc<crate::store::RedisStore>> {
+        self.store.get()
+    }
+
+    /// Makes admissions use `store` (once, before the first tenant starts).
+    pub fn set_store(&self, store: Arc<crate::store::RedisStore>) {
+        let _ = self.store.set(store);
+    }
+
+    /// The config `local_fallback` enforces while the shared store does not answer (each limit
+    /// divided by `[store] replicas`), made once per config generation, and its cross-tenant budgets.
+    pub fn local_fallback(&self, cfg: &Arc<Config>) -> (Arc<Config>, Arc<SharedBudgets>) {
+        let mut cached = self.fallback.lock();
+        let scaled = match &*cached {
+            Some((base, scaled)) if Arc::ptr_eq(base, cfg) => Arc::clone(scaled),
+            _ => {
+                let scaled = Arc::new(cfg.divided(cfg.store.replicas));
+                *cached = Some((Arc::clone(cfg), Arc::clone(&scaled)));
+                scaled
+            }
+        };
+        let budgets = self
+            .fallback_budgets
+            .get_or_init(|| Arc::new(SharedBudgets::new(&scaled)))
+            .clone();
+        (scaled, budgets)
     }
 
     /// Whether shutdown has started.

@@ -38,13 +38,17 @@ pub const TICK: Duration = Duration::from_secs(1);
 const PRUNE_EVERY_TICKS: u32 = 5;
 
 pub struct TenantActor {
-    engine: TenantEngine,
-    shared: Arc<Shared>,
+    /// The tenant's engine: its state in memory mode; with a shared store, the fallback engine
+    /// (`on_error = "local_fallback"`) whose limits are divided by the replicas.
+    pub(super) engine: TenantEngine,
+    pub(super) shared: Arc<Shared>,
+    /// With a shared store: the store, and the engine that plans for it (see [`super::remote`]).
+    pub(super) remote: Option<super::remote::Remote>,
     generation: u64,
     waiters: HashMap<u64, oneshot::Sender<Decision>>,
     ticks: u32,
     /// Answers given since the last report (see [`CallCounts`]).
-    calls: CallCounts,
+    pub(super) calls: CallCounts,
     /// When the timer armed by [`TenantActor::arm_expiry_timer`] fires, if one is armed.
     expiry_timer: Option<Nanos>,
     /// Admissions in the mailbox, counted up by their senders and down here as each is taken
@@ -53,7 +57,7 @@ pub struct TenantActor {
 }
 
 /// Admitted, and not a shadow-mode admission that enforce mode would have refused.
-fn truly_admitted(d: &Decision) -> bool {
+pub(super) fn truly_admitted(d: &Decision) -> bool {
     matches!(&d.verdict, Verdict::Admitted(a) if a.would_shed.is_none())
 }
 
@@ -61,11 +65,28 @@ impl TenantActor {
     pub fn new(tenant: Arc<str>, shared: Arc<Shared>, generation: u64) -> Self {
         let cfg = shared.config.load_full();
         let seed = shared.seed ^ generation.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut engine = TenantEngine::new(tenant, cfg, shared.budgets.clone(), seed);
+        let (engine, remote) = match shared.store() {
+            None => (
+                TenantEngine::new(tenant, cfg, shared.budgets.clone(), seed),
+                None,
+            ),
+            Some(store) => {
+                let (fallback, budgets) = shared.local_fallback(&cfg);
+                let mut planner =
+                    TenantEngine::new(tenant.clone(), cfg, shared.budgets.clone(), seed ^ 1);
+                planner.set_subject_labels(shared.telemetry.subject_labels());
+                (
+                    TenantEngine::new(tenant, fallback, budgets, seed),
+                    Some(super::remote::Remote::new(store.clone(), planner)),
+                )
+            }
+        };
+        let mut engine = engine;
         engine.set_subject_labels(shared.telemetry.subject_labels());
         TenantActor {
             engine,
             shared,
+            remote,
             generation,
             waiters: HashMap::new(),
             expiry_timer: None,
@@ -82,10 +103,20 @@ impl TenantActor {
     }
 
     /// The clock, after making sure the engine runs on the current config.
-    fn now(&mut self) -> (Nanos, i64) {
+    pub(super) fn now(&mut self) -> (Nanos, i64) {
         let now = self.shared.clock.mono();
         let cfg = self.shared.config.load();
         let wall = self.shared.clock.wall_ms();
+        if let Some(remote) = &mut self.remote {
+            if !Arc::ptr_eq(&cfg, remote.planner.config()) {
+                remote.planner.set_config(Arc::clone(&cfg), now);
+                let (fallback, _) = self.shared.local_fallback(&cfg);
+                self.engine.set_config(fallback, now);
+                let granted = self.engine.grant_waiting(now, wall);
+                self.deliver(granted);
+            }
+            return (now, wall);
+        }
         if !Arc::ptr_eq(&cfg, self.engine.config()) {
             self.engine.set_config(Arc::clone(&cfg), now);
             // A reload may have raised a concurrency limit: let queued calls in now.
@@ -97,7 +128,7 @@ impl TenantActor {
 
     /// Counts an answer for the shed-ratio alerts; a shadow-mode admission that enforce mode would
     /// have refused counts as shed, so shadow mode predicts enforce mode's alerts.
-    fn count(&mut self, admitted: bool) {
+    pub(super) fn count(&mut self, admitted: bool) {
         match admitted {
             true => self.calls.admitted += 1,
             false => self.calls.shed += 1,
@@ -106,7 +137,7 @@ impl TenantActor {
 
     /// Ends the lease of an admission whose caller went away before the answer reached it, giving back
     /// what it took; returns the decisions of queued calls that got the freed slot.
-    fn give_back(&mut self, d: &Decision) -> Vec<(u64, Decision)> {
+    pub(super) fn give_back(&mut self, d: &Decision) -> Vec<(u64, Decision)> {
         let Verdict::Admitted(a) = &d.verdict else {
             return Vec::new();
         };
@@ -118,7 +149,7 @@ impl TenantActor {
 
     /// Hands decisions to queued callers. A caller that has gone away gets its lease cancelled, which may
     /// in turn let the next queued call in.
-    fn deliver(&mut self, mut granted: Vec<(u64, Decision)>) {
+    pub(super) fn deliver(&mut self, mut granted: Vec<(u64, Decision)>) {
         while let Some((id, decision)) = granted.pop() {
             let Some(tx) = self.waiters.remove(&id) else {
                 continue;
@@ -133,7 +164,7 @@ impl TenantActor {
 
     /// Delivers decisions the engine made outside a direct answer (calls queued for an upstream that
     /// just went into the penalty box).
-    fn flush(&mut self) {
+    pub(super) fn flush(&mut self) {
         let pending = self.engine.drain_decisions();
         if !pending.is_empty() {
             self.deliver(pending);
@@ -190,6 +221,7 @@ impl TenantActor {
     fn tick(&mut self, ctx: &mut Context<Self>) {
         let (now, wall) = self.now();
         self.expire_leases(now, wall);
+        self.expire_detached(now);
         self.ticks = self.ticks.wrapping_add(1);
         if self.ticks % PRUNE_EVERY_TICKS == 0 {
             self.engine.prune(now, wall);
@@ -200,8 +232,17 @@ impl TenantActor {
             calls: std::mem::take(&mut self.calls),
         });
         let idle_ttl = self.engine.config().server.idle_ttl.as_nanos() as u64;
-        if now.saturating_sub(self.engine.last_active()) >= idle_ttl
+        let last_active = match &self.remote {
+            Some(r) => r.planner.last_active().max(self.engine.last_active()),
+            None => self.engine.last_active(),
+        };
+        let remote_at_rest = self
+            .remote
+            .as_ref()
+            .is_none_or(|r| r.in_store == 0 && r.detached.is_empty());
+        if now.saturating_sub(last_active) >= idle_ttl
             && self.engine.is_at_rest(now, wall)
+            && remote_at_rest
         {
             self.shared
                 .registry_remove(self.engine.tenant(), self.generation);
@@ -275,6 +316,9 @@ pub enum AdmitReply {
         waiter: u64,
         rx: oneshot::Receiver<Decision>,
     },
+    /// The shared store does not answer and `on_error = "fail_closed"`: the caller answers 503 with
+    /// a retry hint.
+    StoreDown,
 }
 
 impl Handler<Admit> for TenantActor {
@@ -292,6 +336,9 @@ impl Handler<Admit> for TenantActor {
         if msg.reply.is_closed() {
             // The caller went away while the call waited in the mailbox: nothing to decide.
             return;
+        }
+        if self.remote.is_some() {
+            return self.admit_remote(msg, ctx);
         }
         let reply = self.decide(&msg.req, msg.sent, ctx);
         if let Err(AdmitReply::Decided(d, _)) = msg.reply.send(reply) {
@@ -320,22 +367,31 @@ impl TenantActor {
                 self.count(truly_admitted(&d));
                 AdmitReply::Decided(d, self.engine.tenant().clone())
             }
-            AdmitResult::Queued { waiter, deadline } => {
-                let (tx, rx) = oneshot::channel();
-                self.waiters.insert(waiter, tx);
-                self.arm_expiry_timer(now, ctx);
-                ctx.run_later(
-                    Duration::from_nanos(deadline.saturating_sub(now)),
-                    |act, _| {
-                        let (now, wall) = act.now();
-                        act.expire_due_leases(now, wall);
-                        let expired = act.engine.expire_waiters(now);
-                        act.deliver(expired);
-                    },
-                );
-                AdmitReply::Queued { waiter, rx }
-            }
+            AdmitResult::Queued { waiter, deadline } => self.queue(waiter, deadline, now, ctx),
         }
+    }
+
+    /// Waits for a concurrency slot: the engine queued the call as `waiter` until `deadline`.
+    pub(super) fn queue(
+        &mut self,
+        waiter: u64,
+        deadline: Nanos,
+        now: Nanos,
+        ctx: &mut Context<Self>,
+    ) -> AdmitReply {
+        let (tx, rx) = oneshot::channel();
+        self.waiters.insert(waiter, tx);
+        self.arm_expiry_timer(now, ctx);
+        ctx.run_later(
+            Duration::from_nanos(deadline.saturating_sub(now)),
+            |act, _| {
+                let (now, wall) = act.now();
+                act.expire_due_leases(now, wall);
+                let expired = act.engine.expire_waiters(now);
+                act.deliver(expired);
+            },
+        );
+        AdmitReply::Queued { waiter, rx }
     }
 }
 
@@ -348,9 +404,18 @@ pub struct Release {
 }
 
 impl Handler<Release> for TenantActor {
-    type Result = Result<crate::engine::Released, UnknownLease>;
+    type Result = ResponseActFuture<Self, Result<crate::engine::Released, UnknownLease>>;
 
     fn handle(&mut self, msg: Release, _: &mut Context<Self>) -> Self::Result {
+        if self.remote.is_some() {
+            return self.release_remote(msg.lease, msg.info);
+        }
+        Box::pin(actix::fut::ready(self.release_here(msg)))
+    }
+}
+
+impl TenantActor {
+    fn release_here(&mut self, msg: Release) -> Result<crate::engine::Released, UnknownLease> {
         let (now, wall) = self.now();
         // A lease past its TTL has expired, whether or not a tick has reaped it yet: it is expired
         // now (and counted so), and its release is answered as an unknown lease's.
@@ -374,10 +439,17 @@ impl Handler<CancelLease> for TenantActor {
 
     fn handle(&mut self, msg: CancelLease, _: &mut Context<Self>) {
         let (now, wall) = self.now();
-        if let Ok(granted) = self.engine.cancel_lease(msg.0, now, wall) {
-            // Counted as admitted, but its caller never got the answer.
-            self.calls.admitted -= 1;
-            self.deliver(granted);
+        match self.engine.cancel_lease(msg.0, now, wall) {
+            Ok(granted) => {
+                // Counted as admitted, but its caller never got the answer.
+                self.calls.admitted -= 1;
+                self.deliver(granted);
+            }
+            Err(_) if self.remote.is_some() => {
+                self.calls.admitted -= 1;
+                self.release_in_store(msg.0, None, crate::store::Refund::Always);
+            }
+            Err(_) => {}
         }
     }
 }
@@ -395,8 +467,12 @@ impl Handler<EndEdgeLease> for TenantActor {
     fn handle(&mut self, msg: EndEdgeLease, _: &mut Context<Self>) {
         let (now, wall) = self.now();
         // Decided without a hold (the edge never waits), so there is no charge to refund.
-        if let Ok(granted) = self.engine.cancel_lease(msg.0, now, wall) {
-            self.deliver(granted);
+        match self.engine.cancel_lease(msg.0, now, wall) {
+            Ok(granted) => self.deliver(granted),
+            Err(_) if self.remote.is_some() => {
+                self.release_in_store(msg.0, None, crate::store::Refund::Never)
+            }
+            Err(_) => {}
         }
     }
 }
@@ -425,15 +501,18 @@ pub struct Feedback {
 }
 
 impl Handler<Feedback> for TenantActor {
-    type Result = Option<Duration>;
+    type Result = ResponseActFuture<Self, Option<Duration>>;
 
     fn handle(&mut self, msg: Feedback, _: &mut Context<Self>) -> Self::Result {
+        if self.remote.is_some() {
+            return self.feedback_remote(msg.upstream, msg.status, msg.retry_after);
+        }
         let (now, _) = self.now();
         let penalty = self
             .engine
             .feedback(&msg.upstream, msg.status, msg.retry_after, now);
         self.flush();
-        penalty
+        Box::pin(actix::fut::ready(penalty))
     }
 }
 
@@ -508,6 +587,10 @@ impl Handler<ExportDurable> for TenantActor {
     type Result = Option<TenantDurable>;
 
     fn handle(&mut self, _: ExportDurable, _: &mut Context<Self>) -> Self::Result {
+        if self.remote.is_some() {
+            // The shared store keeps this state itself.
+            return None;
+        }
         let (now, wall) = self.now();
         let kept = self.engine.export_durable(now, wall);
         (!kept.is_empty()).then_some(kept)
@@ -529,14 +612,19 @@ impl Handler<ImportDurable> for TenantActor {
 }
 
 impl Handler<Snapshot> for TenantActor {
-    type Result = Option<TenantSnapshot>;
+    type Result = ResponseActFuture<Self, Option<TenantSnapshot>>;
 
     fn handle(&mut self, _: Snapshot, _: &mut Context<Self>) -> Self::Result {
+        if self.remote.is_some() {
+            return self.snapshot_remote();
+        }
         let (now, wall) = self.now();
         self.expire_due_leases(now, wall);
-        self.engine
+        let snap = self
+            .engine
             .has_state(now, wall)
-            .then(|| self.engine.snapshot(now, wall))
+            .then(|| self.engine.snapshot(now, wall));
+        Box::pin(actix::fut::ready(snap))
     }
 }
 

@@ -129,6 +129,9 @@ pub async fn admit(
             reply = Box::pin(wait_for_promise(shared, tenant, again, ns, started)).await?;
         }
     }
+    if let AdmitReply::StoreDown = reply {
+        return Ok(overload::refused(Overload::StoreUnavailable));
+    }
     // Decision latency: parsing and the actor's answer; the waiting that follows is reported as waited.
     let decision_ns = shared.clock.mono().saturating_sub(started);
     let (decision, tenant_name) = match reply {
@@ -270,7 +273,7 @@ fn give_back(shared: &Arc<Shared>, tenant: &str, reply: &AdmitReply) {
                 guard.lease = Some(a.lease);
             }
         }
-        AdmitReply::Late => {}
+        AdmitReply::Late | AdmitReply::StoreDown => {}
     }
 }
 
@@ -298,6 +301,11 @@ async fn wait_out(
     let (mut decision, tenant_name) = match reply {
         AdmitReply::Decided(d, name) => (d, name),
         AdmitReply::Late => return Err(AskError::Timeout.into()),
+        AdmitReply::StoreDown => {
+            return Err(ApiError::unavailable(
+                "the shared state of the limits does not answer; retry the request",
+            ))
+        }
         AdmitReply::Queued { waiter, mut rx } => {
             guard.waiter = Some(waiter);
             // The actor answers by the deadline; the slack only guards against a lost answer.

@@ -369,6 +369,11 @@ async fn admit_at_edge(
     let (decision, tenant_name) = match shared.admit(tenant, req, started).await? {
         AdmitReply::Decided(d, name) => (d, name),
         AdmitReply::Late => return Err(crate::actors::AskError::Timeout.into()),
+        AdmitReply::StoreDown => {
+            return Err(ApiError::unavailable(
+                "the shared state of the limits does not answer; retry the request",
+            ))
+        }
         // Never with no wait allowed; if it were, the caller is not held.
         AdmitReply::Queued { waiter, .. } => {
             shared.tell_existing(tenant, CancelWaiter(waiter));

@@ -256,10 +256,7 @@ where
             StatusCode::SERVICE_UNAVAILABLE,
             &serde_json::json!({"ready": false, "store": "memory", "reason": "shutting down"}),
         )),
-        "/readyz" if get => Ok(json(
-            StatusCode::OK,
-            &serde_json::json!({"ready": true, "store": "memory"}),
-        )),
+        "/readyz" if get => Ok(readiness(app)),
         "/metrics" if get && app.metrics.is_some() => {
             // Every decision answered before the scrape is in it.
             Box::pin(app.shared.telemetry.settle()).await;
@@ -431,12 +428,13 @@ async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiErr
         retry_after: retry_after.as_ref().map(|r| r.0),
         duration_ms,
     };
-    let released = app
-        .shared
-        .ask_existing(&tenant, Release { lease, info })
-        .await?
-        .ok_or_else(unknown)?
-        .map_err(|_| unknown())?;
+    let msg = Release { lease, info };
+    // With a shared store the lease may be another replica's: this one's actor asks the store.
+    let released = match app.shared.store() {
+        Some(_) => Some(app.shared.ask(&tenant, msg).await?),
+        None => app.shared.ask_existing(&tenant, msg).await?,
+    };
+    let released = released.ok_or_else(unknown)?.map_err(|_| unknown())?;
     let counted = upstream_status.is_some()
         || outcome == Outcome::UpstreamRateLimited
         || duration_ms.is_some();
@@ -520,9 +518,39 @@ async fn tenant_snapshot(app: &Arc<App>, raw: &str) -> Result<Response, ApiError
             format!("tenant {tenant:?} holds no state"),
         )
     };
-    match app.shared.ask_existing(&tenant, Snapshot).await? {
+    let snap = match app.shared.store() {
+        Some(_) => Some(app.shared.ask(&tenant, Snapshot).await?),
+        None => app.shared.ask_existing(&tenant, Snapshot).await?,
+    };
+    match snap {
         Some(Some(snap)) => Ok(json(StatusCode::OK, &snap)),
         _ => Err(unknown()),
+    }
+}
+
+/// `GET /readyz`: 200 while every backend answers (the shared store, when there is one), else 503
+/// naming what does not.
+fn readiness(app: &Arc<App>) -> Response {
+    let Some(store) = app.shared.store() else {
+        return json(
+            StatusCode::OK,
+            &serde_json::json!({"ready": true, "store": "memory"}),
+        );
+    };
+    let (up, state) = store.readiness();
+    match up {
+        true => json(
+            StatusCode::OK,
+            &serde_json::json!({"ready": true, "store": state}),
+        ),
+        false => json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &serde_json::json!({
+                "ready": false,
+                "store": state,
+                "reason": "the shared store (redis) does not answer",
+            }),
+        ),
     }
 }
 

@@ -18,6 +18,8 @@ pub enum Overload {
     Held,
     /// The daemon is shutting down (another replica, or this one restarted, takes the retry).
     ShuttingDown,
+    /// The shared store does not answer and `[store] on_error = "fail_closed"`.
+    StoreUnavailable,
 }
 
 impl Overload {
@@ -27,12 +29,14 @@ impl Overload {
             Overload::Mailbox => "mailbox",
             Overload::Held => "held",
             Overload::ShuttingDown => "shutting_down",
+            Overload::StoreUnavailable => "store_unavailable",
         }
     }
 
     fn code(self) -> &'static str {
         match self {
             Overload::ShuttingDown => "shutting_down",
+            Overload::StoreUnavailable => "store_unavailable",
             _ => "overloaded",
         }
     }
@@ -42,6 +46,9 @@ impl Overload {
             Overload::Mailbox => "too many calls of this tenant are waiting to be decided",
             Overload::Held => "too many calls are waiting for capacity",
             Overload::ShuttingDown => "the admission service is shutting down",
+            Overload::StoreUnavailable => {
+                "the shared state of the limits does not answer, so no call is admitted until it does"
+            }
         }
     }
 }
@@ -128,7 +135,12 @@ mod tests {
 
     #[test]
     fn the_503_carries_the_error_body_a_tool_result_and_retry_after() {
-        for why in [Overload::Mailbox, Overload::Held, Overload::ShuttingDown] {
+        for why in [
+            Overload::Mailbox,
+            Overload::Held,
+            Overload::ShuttingDown,
+            Overload::StoreUnavailable,
+        ] {
             let r = response(why);
             assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
             assert_eq!(r.headers()["retry-after"], "1");

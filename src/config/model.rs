@@ -446,6 +446,54 @@ impl Config {
         self.plan_of(tenant).map_or(1.0, |(_, p)| p.weight)
     }
 
+    /// This config with every limit divided among `n` replicas: what one replica enforces alone
+    /// while the shared store does not answer (`on_error = "local_fallback"`). Rates, bursts, daily
+    /// quotas and concurrency are divided; a burst keeps at least one token and a concurrency cap at
+    /// least one slot (below that a replica could admit nothing), so a fleet may then admit a little
+    /// more than the limit, never `n` times it.
+    pub fn divided(&self, n: u32) -> Config {
+        let n = f64::from(n.max(1));
+        let bucket = |b: BucketSpec| BucketSpec {
+            rate: Rate::per_sec(b.rate.per_sec / n),
+            burst: (b.burst / n).max(b.burst.min(1.0)),
+        };
+        let slots = |c: Option<u32>| c.map(|c| ((f64::from(c) / n).floor() as u32).max(1));
+        let rate = |r: Option<Rate>| r.map(|r| Rate::per_sec(r.per_sec / n));
+        let burst = |b: Option<f64>| b.map(|b| (b / n).max(b.min(1.0)));
+        let layer = |l: &LayerLimits| LayerLimits {
+            bucket: bucket(l.bucket),
+            concurrency: slots(l.concurrency),
+            daily_quota: l.daily_quota.map(|q| q / n),
+        };
+        let overrides = |o: &LayerOverride| LayerOverride {
+            rate: rate(o.rate),
+            burst: burst(o.burst),
+            concurrency: slots(o.concurrency),
+            daily_quota: o.daily_quota.map(|q| q / n),
+        };
+        let mut out = self.clone();
+        out.limits = Limits {
+            subject: layer(&self.limits.subject),
+            tenant: layer(&self.limits.tenant),
+            global: layer(&self.limits.global),
+        };
+        for p in out.plans.values_mut() {
+            *p = Plan {
+                subject: overrides(&p.subject),
+                tenant: overrides(&p.tenant),
+                global: overrides(&p.global),
+                weight: p.weight,
+            };
+        }
+        for t in out.tools.values_mut() {
+            t.bucket = t.bucket.map(bucket);
+        }
+        for u in out.upstreams.values_mut() {
+            u.bucket = u.bucket.map(bucket);
+        }
+        out
+    }
+
     /// The number of worker threads to run.
     pub fn worker_count(&self) -> usize {
         if self.server.workers > 0 {

@@ -1,7 +1,7 @@
-//! `[store]`: where admission state lives. `memory` (the default) keeps it in this process. The
-//! section's keys are those of the wire contract's shared-store extension and are all checked, but
-//! `kind = "redis"` is refused with a `FILE:LINE` error: this version has no Redis store, and a
-//! config that asks for shared state must not run with per-process limits instead.
+//! `[store]`: where admission state lives. `memory` (the default) keeps it in this process; `redis`
+//! keeps it in a Redis (or Redis Cluster) that several replicas share (see `crate::store`). The
+//! section's keys are those of the wire contract's shared-store extension, each checked with a
+//! `FILE:LINE` error.
 //!
 //! This file owns the section's raw shape, its validated model ([`StoreConfig`]) and its checks.
 
@@ -194,12 +194,6 @@ impl Validator<'_> {
             if out.url.is_none() {
                 return self.err(span, "store.kind = \"redis\" needs store.url");
             }
-            // Refused rather than accepted and ignored: a fleet that believes its replicas share one
-            // budget while each enforces its own would admit N times the limits.
-            return self.err(
-                span,
-                "store.kind = \"redis\" is not available in this version: only the in-process \"memory\" store is",
-            );
         }
         Ok(())
     }
@@ -221,6 +215,13 @@ mod tests {
         assert_eq!(c.store.kind, StoreKind::Memory);
         assert_eq!(c.store.timeout, Duration::from_millis(50));
         assert_eq!(c.store.on_error, OnError::FailClosed);
+    }
+
+    #[test]
+    fn a_redis_store_is_accepted_with_a_url() {
+        let c = parse("[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6390\"\n").unwrap();
+        assert_eq!(c.store.kind, StoreKind::Redis);
+        assert_eq!(c.store.urls(), vec!["redis://127.0.0.1:6390"]);
     }
 
     #[test]
@@ -283,10 +284,6 @@ mod tests {
             (
                 "[store]\nkind = \"redis\"\n",
                 "admitd.toml:2: store.kind = \"redis\" needs store.url",
-            ),
-            (
-                "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n",
-                "admitd.toml:2: store.kind = \"redis\" is not available",
             ),
             ("[store]\nhost = \"x\"\n", "admitd.toml:2:"),
         ];

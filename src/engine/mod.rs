@@ -18,8 +18,10 @@ pub mod types;
 
 pub use shared::SharedBudgets;
 pub use tenant::{
-    AdmitRequest, AdmitResult, ReleaseInfo, Released, TenantEngine, TenantGauges, TenantSnapshot,
-    UnknownLease,
+    AdmitRequest, AdmitResult, ReleaseInfo, Released, RemoteAdaptive, RemoteAnswer, RemoteCall,
+    RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope, RemoteSlots,
+    RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges, TenantSnapshot,
+    UnknownLease, UpstreamReport,
 };
 pub use types::*;
 

@@ -214,6 +214,8 @@ pub struct Histograms {
     pub wait: Family,
     pub retry: Family,
     pub tool: Family,
+    /// `admitd_store_request_seconds`: round trips to the shared store.
+    pub store: Family,
 }
 
 impl Default for Histograms {
@@ -232,6 +234,7 @@ impl Default for Histograms {
                 &["tenant", "tool", "upstream"],
                 TOOL_DURATION_BUCKETS,
             ),
+            store: Family::new(STORE_REQUEST, &[], STORE_BUCKETS),
         };
         // Present (at zero) from the start, like the daemon-wide counters.
         h.decision.series(&[]);
@@ -243,7 +246,13 @@ impl Histograms {
     /// Appends every family in the Prometheus text format.
     pub fn render(&self, out: &mut String) {
         self.admissions.render(out);
-        for f in [&self.decision, &self.wait, &self.retry, &self.tool] {
+        for f in [
+            &self.decision,
+            &self.wait,
+            &self.retry,
+            &self.tool,
+            &self.store,
+        ] {
             f.render(out);
         }
     }

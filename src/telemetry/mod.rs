@@ -292,9 +292,18 @@ pub struct Telemetry {
     batching: Arc<parking_lot::Mutex<Vec<ArbiterHandle>>>,
     /// When the latest alert refresh began; one runs at a time (see [`Telemetry::refresh_alerts`]).
     alerts_refreshed: Arc<tokio::sync::Mutex<Option<Instant>>>,
+    /// Round trips to the shared store, timed (none when metrics are off).
+    store_latency: Option<Arc<histogram::Histogram>>,
 }
 
 impl Telemetry {
+    /// Records one round trip to the shared store.
+    pub fn store_round_trip(&self, seconds: f64) {
+        if let Some(h) = &self.store_latency {
+            h.record(seconds);
+        }
+    }
+
     /// A handle that reports nowhere (tests, `check`).
     pub fn disabled() -> Self {
         Telemetry::default()
@@ -591,6 +600,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         traces: span_exporter.is_some(),
         batching: Arc::default(),
         alerts_refreshed: Arc::default(),
+        store_latency: Some(histograms.store.series(&[])),
     };
     let dropped = telemetry.dropped.clone();
     let render_metrics = Arc::new(move || {

@@ -31,6 +31,10 @@ pub const REFUSAL_LOGS_SUPPRESSED: &str = "admitd_refusal_logs_suppressed_total"
 pub const BUILD_INFO: &str = "admitd_build_info";
 pub const EDGE_CHECKS: &str = "admitd_edge_checks_total";
 pub const OVERLOAD: &str = "admitd_overload_total";
+pub const STORE_MODE: &str = "admitd_store_mode";
+pub const STORE_ERRORS: &str = "admitd_store_errors_total";
+pub const STORE_REQUEST: &str = "admitd_store_request_seconds";
+pub const STORE_FALLBACK: &str = "admitd_store_fallback_decisions_total";
 
 /// The type of a metric, as its `# TYPE` line says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +100,10 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(BUILD_INFO, Gauge, None, "Always 1, labelled with the admitd version."),
         help(EDGE_CHECKS, Counter, COUNT, "Answers of GET /v1/edge/check, by result."),
         help(OVERLOAD, Counter, COUNT, "Admissions refused with a 503 before being decided, by reason."),
+        help(STORE_MODE, Gauge, None, "1 for the way admissions are decided now (memory, shared, or the on_error mode while the store is unreachable), 0 for the others."),
+        help(STORE_ERRORS, Counter, COUNT, "Calls to the shared store that failed, by kind (timeout, connection, script)."),
+        help(STORE_REQUEST, Histogram, SECONDS, "Round trips to the shared store, one per call of its script."),
+        help(STORE_FALLBACK, Counter, COUNT, "Admissions decided without the shared store while it was unreachable, by on_error mode."),
     ]
 };
 
@@ -137,6 +145,9 @@ pub const RETRY_AFTER_BUCKETS: &[f64] = &[
 ];
 pub const DECISION_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
+];
+pub const STORE_BUCKETS: &[f64] = &[
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 ];
 pub const TOOL_DURATION_BUCKETS: &[f64] = &[
     0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,

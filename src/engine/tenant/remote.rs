@@ -1,0 +1,623 @@
+//! Deciding a call whose state lives in a shared store (several replicas, one budget).
+//!
+//! The decision is split along the same seam as the in-memory path: [`TenantEngine::plan_remote`]
+//! resolves the call and plans its layers exactly as an in-memory decision does (`plan.rs`), and
+//! writes what the store must check and spend as plain data ([`RemoteCall`]): which state each step
+//! reads, named by [`StateKey`] rather than by any store's key syntax, with every shape in
+//! microseconds. The store runs all of it atomically on its own clock and answers a [`RemoteAnswer`];
+//! [`TenantEngine::interpret_remote`] turns that into the same [`Decision`] an in-memory decision
+//! gives (`interpret.rs`: refusal texts, jitter, rate-limit headers, shadow mode). Nothing here does
+//! I/O: the tenant actor carries the call to the store and back.
+//!
+//! Time crosses the seam as durations and shapes in microseconds; the instants are the store's.
+
+use super::*;
+
+/// A piece of a tenant's state, named independently of the store that keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum StateKey {
+    SubjectBucket(Arc<str>),
+    SubjectToolBucket(Arc<str>, Arc<str>),
+    TenantBucket,
+    /// A per-tenant upstream budget.
+    UpstreamBucket(Arc<str>),
+    /// A `shared = true` upstream's budget (one across tenants).
+    SharedUpstreamBucket(Arc<str>),
+    /// The global bucket, or a plan's own global bucket.
+    GlobalBucket(Option<Arc<str>>),
+    SubjectSlots(Arc<str>),
+    TenantSlots,
+    SubjectQuota(Arc<str>),
+    TenantQuota,
+    /// An upstream's penalty box (`true`: the shared one).
+    Penalty(Arc<str>, bool),
+    /// An upstream's AIMD multiplier and adaptive window (`true`: the shared one).
+    UpstreamState(Arc<str>, bool),
+    Lease(u64),
+    /// How long this tenant's calls run, per tool (concurrency hints).
+    RunTimes,
+    /// The subjects seen lately (for snapshots).
+    SubjectIndex,
+}
+
+impl StateKey {
+    /// State shared by every tenant (kept apart from any one tenant's).
+    pub fn cross_tenant(&self) -> bool {
+        matches!(
+            self,
+            StateKey::SharedUpstreamBucket(_)
+                | StateKey::GlobalBucket(_)
+                | StateKey::Penalty(_, true)
+                | StateKey::UpstreamState(_, true)
+        )
+    }
+}
+
+/// One bucket layer of a call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteLayer {
+    pub key: StateKey,
+    /// Microseconds per token at the configured rate.
+    pub t_us: f64,
+    pub burst: f64,
+    /// Tokens this call takes.
+    pub tokens: f64,
+    /// Whether the call may be held on this layer.
+    pub hold: bool,
+    /// The upstream state whose AIMD multiplier scales this layer's rate.
+    pub aimd: Option<StateKey>,
+    /// How long an AIMD cut lasts without a new 429, in microseconds.
+    pub forget_us: f64,
+}
+
+/// An upstream penalty box a call must be outside of.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemotePenalty {
+    pub key: StateKey,
+    /// The 1-based index of this upstream's bucket layer in [`RemoteCall::layers`] (0: none): a call
+    /// refused by the penalty is promised that bucket's slot after the penalty.
+    pub layer: usize,
+    /// The refill step of one call, for staggering hints when there is no bucket.
+    pub step_us: f64,
+}
+
+/// An upstream's adaptive throttle.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteAdaptive {
+    pub key: StateKey,
+    pub window_us: f64,
+    pub k: f64,
+    pub min_requests: u64,
+    pub step_us: f64,
+}
+
+/// A concurrency scope (a sorted set of live leases).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteSlots {
+    pub key: StateKey,
+    pub cap: u32,
+    pub subject: bool,
+}
+
+/// A daily quota.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteQuota {
+    pub key: StateKey,
+    pub quota: f64,
+    pub subject: bool,
+}
+
+/// What a release or feedback reports to an upstream's state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpstreamReport {
+    pub name: Arc<str>,
+    pub penalty: StateKey,
+    pub state: StateKey,
+    /// AIMD factor, floor and recovery (upstreams with a budget).
+    pub aimd: Option<(f64, f64, f64)>,
+    /// The adaptive window in microseconds (0: off).
+    pub adaptive_window_us: f64,
+    pub forget_us: f64,
+}
+
+impl UpstreamReport {
+    pub fn cross_tenant(&self) -> bool {
+        self.state.cross_tenant()
+    }
+}
+
+/// Everything a store checks and spends for one call, all or nothing.
+#[derive(Clone)]
+pub struct RemoteCall {
+    pub lease: u64,
+    pub subject: Arc<str>,
+    pub tool: Arc<str>,
+    pub cost: f64,
+    pub max_wait_us: f64,
+    pub ttl_us: f64,
+    pub shadow: bool,
+    pub returning: bool,
+    /// A uniform number in [0, 1) for the adaptive throttle's draw.
+    pub rand: f64,
+    /// The shortest concurrency hint, in microseconds.
+    pub floor_us: f64,
+    pub penalties: Vec<RemotePenalty>,
+    pub adaptive: Vec<RemoteAdaptive>,
+    pub slots: Vec<RemoteSlots>,
+    pub quotas: Vec<RemoteQuota>,
+    pub layers: Vec<RemoteLayer>,
+    /// The call's primary upstream first: what its release reports.
+    pub upstreams: Vec<UpstreamReport>,
+    /// The call waited for a concurrency slot and asks again.
+    pub asked_again: bool,
+    resolved: Resolved,
+    plan: Vec<LayerPlan>,
+}
+
+impl std::fmt::Debug for RemoteCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteCall")
+            .field("lease", &self.lease)
+            .field("subject", &self.subject)
+            .field("tool", &self.tool)
+            .field("cost", &self.cost)
+            .field("layers", &self.layers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the store refused a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteScope {
+    Penalty,
+    Adaptive,
+    Concurrency,
+    DailyQuota,
+    /// The bucket layer at this 0-based index of [`RemoteCall::layers`].
+    Layer(usize),
+}
+
+/// The store's answer to a [`RemoteCall`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum RemoteAnswer {
+    /// Spent; hold this long before running. Every layer's whole tokens left and microseconds until
+    /// full, in the order of [`RemoteCall::layers`].
+    Admitted {
+        hold_us: f64,
+        layers: Vec<(u64, f64)>,
+    },
+    Refused {
+        scope: RemoteScope,
+        wait_us: f64,
+        /// Every slot up to the promise horizon is promised: the wait is the first past it.
+        booked: bool,
+        account_wide: bool,
+        layers: Vec<(u64, f64)>,
+        /// The refusing layer's AIMD multiplier (1 when not cut).
+        multiplier: f64,
+    },
+    /// No concurrency slot free, and the call may wait: ask again (the first slot is expected in
+    /// this many microseconds).
+    Busy { wait_us: f64 },
+}
+
+/// What the engine makes of an answer. The large variant is the common one (as with the
+/// in-memory [`AdmitResult`]).
+#[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)]
+pub enum RemoteOutcome {
+    Decided(Decision),
+    /// Ask the store again, no later than this many nanoseconds from now.
+    Busy(u64),
+}
+
+const US_PER_NS: f64 = 1e-3;
+
+impl TenantEngine {
+    /// Plans a call for a shared store, or decides it at once when no state can change the answer
+    /// (a cost larger than some layer can ever hold). The decision is the rare case; it is returned
+    /// as is, like every other decision.
+    #[allow(clippy::result_large_err)]
+    pub fn plan_remote(&mut self, req: &AdmitRequest, now: Nanos) -> Result<RemoteCall, Decision> {
+        self.last_active = now;
+        let r = self.resolve(req);
+        let cfg = Arc::clone(&self.policy.cfg);
+        let configs = upstream_configs(&cfg, &r);
+        let plan = self.plan_for(&r, &configs);
+        if let Some(shed) = self.oversized(&r, &plan) {
+            return Err(self.refuse(r, &plan, shed, now));
+        }
+        let shared_up = |up: &str| cfg.upstreams.get(up).is_some_and(|u| u.shared);
+        let plan_name = cfg.tenant_global(&self.tenant).0.map(Arc::<str>::from);
+        let layers: Vec<RemoteLayer> = plan
+            .iter()
+            .map(|lp| {
+                let up = lp.upstream.clone().unwrap_or_else(|| Arc::from(""));
+                let key = match lp.layer {
+                    Layer::Subject => StateKey::SubjectBucket(r.subject.clone()),
+                    Layer::SubjectTool => {
+                        StateKey::SubjectToolBucket(r.subject.clone(), r.tool.clone())
+                    }
+                    Layer::Tenant => StateKey::TenantBucket,
+                    Layer::TenantUpstream if lp.shared.is_some() => {
+                        StateKey::SharedUpstreamBucket(up.clone())
+                    }
+                    Layer::TenantUpstream => StateKey::UpstreamBucket(up.clone()),
+                    Layer::Global => StateKey::GlobalBucket(plan_name.clone()),
+                };
+                let upstream_layer = lp.layer == Layer::TenantUpstream;
+                let window = cfg.upstreams.get(&*up).map_or(0, adaptive_window);
+                RemoteLayer {
+                    key,
+                    // The configured shape: the store applies its own AIMD multiplier.
+                    t_us: lp.g.t * lp.multiplier * US_PER_NS,
+                    burst: lp.g.burst,
+                    tokens: r.cost * lp.units,
+                    hold: lp.hold_ok,
+                    aimd: upstream_layer
+                        .then(|| StateKey::UpstreamState(up.clone(), shared_up(&up))),
+                    forget_us: forget_after(window) as f64 * US_PER_NS,
+                }
+            })
+            .collect();
+        let layer_of = |up: &Arc<str>| {
+            plan.iter()
+                .position(|lp| {
+                    lp.layer == Layer::TenantUpstream && lp.upstream.as_ref() == Some(up)
+                })
+                .map_or(0, |i| i + 1)
+        };
+        let mut penalties = Vec::new();
+        let mut adaptive = Vec::new();
+        for ((up, _), c) in r.upstreams.iter().zip(&configs) {
+            let shared = shared_up(up);
+            let step_us = self.retry_step(&r, up, None) as f64 * US_PER_NS;
+            penalties.push(RemotePenalty {
+                key: StateKey::Penalty(up.clone(), shared),
+                layer: layer_of(up),
+                step_us,
+            });
+            if let Some(a) = c.and_then(|c| c.adaptive) {
+                adaptive.push(RemoteAdaptive {
+                    key: StateKey::UpstreamState(up.clone(), shared),
+                    window_us: a.window.as_micros() as f64,
+                    k: a.k,
+                    min_requests: a.min_requests,
+                    step_us,
+                });
+            }
+        }
+        let limits = &self.policy.limits;
+        let mut slots = Vec::new();
+        if let Some(cap) = limits.subject.concurrency {
+            slots.push(RemoteSlots {
+                key: StateKey::SubjectSlots(r.subject.clone()),
+                cap,
+                subject: true,
+            });
+        }
+        // The tenant's leases are always kept, capped or not: they are its calls in flight.
+        slots.push(RemoteSlots {
+            key: StateKey::TenantSlots,
+            cap: limits.tenant.concurrency.unwrap_or(u32::MAX),
+            subject: false,
+        });
+        let mut quotas = Vec::new();
+        if let Some(q) = limits.subject.daily_quota {
+            quotas.push(RemoteQuota {
+                key: StateKey::SubjectQuota(r.subject.clone()),
+                quota: q,
+                subject: true,
+            });
+        }
+        if let Some(q) = limits.tenant.daily_quota {
+            quotas.push(RemoteQuota {
+                key: StateKey::TenantQuota,
+                quota: q,
+                subject: false,
+            });
+        }
+        let upstreams = r
+            .upstream
+            .iter()
+            .map(|up| self.upstream_report(up))
+            .collect();
+        let run = self.run_times.estimate(&r.subject, &r.tool);
+        let lease = self.rng.next_u64();
+        Ok(RemoteCall {
+            lease,
+            subject: r.subject.clone(),
+            tool: r.tool.clone(),
+            cost: r.cost,
+            max_wait_us: req.max_wait_ns as f64 * US_PER_NS,
+            ttl_us: cfg.server.lease_ttl.as_micros() as f64,
+            shadow: cfg.server.mode == Mode::Shadow,
+            returning: req.returning,
+            rand: self.rng.unit(),
+            floor_us: slots::floor(run) as f64 * US_PER_NS,
+            penalties,
+            adaptive,
+            slots,
+            quotas,
+            layers,
+            upstreams,
+            asked_again: false,
+            resolved: r,
+            plan,
+        })
+    }
+
+    /// What an answer from `upstream` changes in the store, as this tenant's config says.
+    pub fn upstream_report(&self, upstream: &Arc<str>) -> UpstreamReport {
+        let cfg = self.policy.upstream(upstream);
+        let shared = cfg.is_some_and(|c| c.shared);
+        let window = cfg.map_or(0, adaptive_window);
+        UpstreamReport {
+            name: upstream.clone(),
+            penalty: StateKey::Penalty(upstream.clone(), shared),
+            state: StateKey::UpstreamState(upstream.clone(), shared),
+            aimd: cfg
+                .filter(|c| c.bucket.is_some())
+                .map(|c| (c.aimd.factor, c.aimd.floor, c.aimd.recover)),
+            adaptive_window_us: window as f64 * US_PER_NS,
+            forget_us: forget_after(window) as f64 * US_PER_NS,
+        }
+    }
+
+    /// Turns the store's answer into the decision an in-memory decision would give.
+    pub fn interpret_remote(&mut self, call: &RemoteCall, answer: RemoteAnswer) -> RemoteOutcome {
+        let several = several_upstreams(&call.plan);
+        let states = |layers: &[(u64, f64)]| -> Vec<LayerState> {
+            call.plan
+                .iter()
+                .zip(layers.iter().chain(std::iter::repeat(&(0, 0.0))))
+                .map(|(lp, (left, reset_us))| {
+                    layer_state(lp, several, *left, (reset_us * 1e3) as u64)
+                })
+                .collect()
+        };
+        let r = call.resolved.clone();
+        let mode = self.policy.cfg.server.mode;
+        match answer {
+            RemoteAnswer::Busy { wait_us } => RemoteOutcome::Busy((wait_us * 1e3) as u64),
+            RemoteAnswer::Admitted { hold_us, layers } => {
+                let layers = states(&layers);
+                RemoteOutcome::Decided(Decision {
+                    verdict: Verdict::Admitted(Admitted {
+                        lease: call.lease,
+                        hold_ns: (hold_us * 1e3) as u64,
+                        queued_ns: 0,
+                        mode,
+                        would_shed: None,
+                    }),
+                    resolved: r,
+                    layers,
+                })
+            }
+            RemoteAnswer::Refused {
+                scope,
+                wait_us,
+                booked,
+                account_wide,
+                layers,
+                multiplier,
+            } => {
+                let mut wait = (wait_us.max(0.0) * 1e3) as u64;
+                let (scope, upstream) = match scope {
+                    RemoteScope::Penalty => (Scope::UpstreamPenalty, r.upstream.clone()),
+                    RemoteScope::Adaptive => (Scope::Adaptive, r.upstream.clone()),
+                    RemoteScope::Concurrency => (Scope::Concurrency, r.upstream.clone()),
+                    RemoteScope::DailyQuota => (Scope::DailyQuota, r.upstream.clone()),
+                    RemoteScope::Layer(i) => {
+                        let lp = call.plan.get(i);
+                        (
+                            lp.map_or(Scope::Tenant, |lp| lp.layer.scope()),
+                            lp.and_then(|lp| lp.upstream.clone())
+                                .or_else(|| r.upstream.clone()),
+                        )
+                    }
+                };
+                if booked {
+                    wait = self.spread_booked(wait);
+                }
+                let mut shed = self.shed_by(&r, upstream.as_deref(), scope, wait, account_wide);
+                if booked {
+                    shed.message.push_str(refusal::LONG_WAIT);
+                }
+                if scope == Scope::TenantUpstream && multiplier < 1.0 {
+                    shed.reason = format!(
+                        "rate limit reached (the upstream answered 429, so its budget is cut to {:.0}%)",
+                        multiplier * 100.0
+                    );
+                }
+                let layers = states(&layers);
+                let verdict = match mode {
+                    Mode::Enforce => Verdict::Shed(shed),
+                    Mode::Shadow => Verdict::Admitted(Admitted {
+                        lease: call.lease,
+                        hold_ns: 0,
+                        queued_ns: 0,
+                        mode,
+                        would_shed: Some(shed),
+                    }),
+                };
+                RemoteOutcome::Decided(Decision {
+                    verdict,
+                    resolved: r,
+                    layers,
+                })
+            }
+        }
+    }
+
+    /// The refusal of a call that waited for a concurrency slot until its deadline without one
+    /// freeing: promised the slot the store expects to free first.
+    pub fn remote_concurrency_timeout(&mut self, call: &RemoteCall, wait_ns: u64) -> Decision {
+        let answer = RemoteAnswer::Refused {
+            scope: RemoteScope::Concurrency,
+            wait_us: wait_ns as f64 * US_PER_NS,
+            booked: false,
+            account_wide: call.slots.iter().all(|s| !s.subject),
+            layers: Vec::new(),
+            multiplier: 1.0,
+        };
+        match self.interpret_remote(call, answer) {
+            RemoteOutcome::Decided(d) => d,
+            RemoteOutcome::Busy(_) => unreachable!("a refusal is decided"),
+        }
+    }
+
+    /// An admission made without the store (its `on_error = "fail_open"`): nothing is checked or
+    /// spent, and the lease is this process's alone.
+    pub fn admit_unchecked(&mut self, req: &AdmitRequest) -> Decision {
+        let r = self.resolve(req);
+        Decision {
+            verdict: Verdict::Admitted(Admitted {
+                lease: self.rng.next_u64(),
+                hold_ns: 0,
+                queued_ns: 0,
+                mode: self.policy.cfg.server.mode,
+                would_shed: None,
+            }),
+            resolved: r,
+            layers: Vec::new(),
+        }
+    }
+
+    /// Records how long a call ran (a release's `duration_ms`), for concurrency hints.
+    pub fn note_run_time(&mut self, subject: &str, tool: &str, run_ns: u64) {
+        self.run_times.record(subject, tool, run_ns);
+    }
+
+    /// What the snapshot of a tenant kept in a store reads, and the config it is shown with.
+    pub fn remote_snapshot_plan(&self) -> RemoteSnapshotPlan {
+        let cfg = &self.policy.cfg;
+        let mut upstreams: Vec<(Arc<str>, bool, Option<f64>)> = cfg
+            .upstreams
+            .iter()
+            .map(|(n, u)| {
+                (
+                    Arc::<str>::from(n.as_str()),
+                    u.shared,
+                    u.bucket.map(|b| b.rate.per_sec),
+                )
+            })
+            .collect();
+        upstreams.sort_by(|a, b| a.0.cmp(&b.0));
+        RemoteSnapshotPlan {
+            tenant: self.tenant.clone(),
+            plan: cfg.tenants.get(&*self.tenant).and_then(|t| t.plan.clone()),
+            mode: cfg.server.mode.as_str(),
+            subject_g: self.policy.subject_g,
+            tenant_g: self.policy.tenant_g,
+            daily_quota: self.policy.limits.tenant.daily_quota,
+            subject_daily_quota: self.policy.limits.subject.daily_quota,
+            upstreams,
+        }
+    }
+}
+
+/// What a snapshot of a tenant kept in a store reads (see [`TenantEngine::remote_snapshot_plan`]).
+#[derive(Debug, Clone)]
+pub struct RemoteSnapshotPlan {
+    pub tenant: Arc<str>,
+    pub plan: Option<String>,
+    pub mode: &'static str,
+    pub subject_g: Gcra,
+    pub tenant_g: Gcra,
+    pub daily_quota: Option<f64>,
+    pub subject_daily_quota: Option<f64>,
+    /// Every configured upstream: name, shared, configured rate.
+    pub upstreams: Vec<(Arc<str>, bool, Option<f64>)>,
+}
+
+/// What the store read for a snapshot, in microseconds of its own clock.
+#[derive(Debug, Clone, Default)]
+pub struct RemoteSnapshotState {
+    pub now_us: f64,
+    pub tenant_tat_us: f64,
+    pub tenant_inflight: u32,
+    pub tenant_quota_used: f64,
+    pub day_ends_us: f64,
+    /// (subject, bucket full at, in flight, quota used today), most recent first.
+    pub subjects: Vec<(String, f64, u32, f64)>,
+    /// Per configured upstream, in the plan's order: penalty until, AIMD multiplier.
+    pub upstreams: Vec<(f64, f64)>,
+}
+
+impl RemoteSnapshotPlan {
+    /// The snapshot in the shape `GET /v1/tenants/{tenant}` shows for an in-memory tenant.
+    pub fn render(&self, s: &RemoteSnapshotState) -> TenantSnapshot {
+        let ns = |at_us: f64| ((at_us - s.now_us).max(0.0) * 1e3) as u64;
+        let bucket = |layer: &'static str, key: String, g: &Gcra, tat_us: f64| {
+            let reset = ns(tat_us);
+            let tokens = (g.burst - reset as f64 / g.t).max(0.0);
+            BucketSnapshot {
+                layer,
+                key,
+                tokens: (tokens + g.burst * 1e-12) as u64,
+                burst: g.burst,
+                rate_per_sec: NS_PER_SEC as f64 / g.t,
+                reset_ms: ceil_ms(reset),
+            }
+        };
+        let mut buckets = vec![bucket(
+            "tenant",
+            self.tenant.to_string(),
+            &self.tenant_g,
+            s.tenant_tat_us,
+        )];
+        let mut subjects = Vec::new();
+        for (name, tat, inflight, used) in &s.subjects {
+            buckets.push(bucket("subject", name.clone(), &self.subject_g, *tat));
+            subjects.push(SubjectSnapshot {
+                subject: name.clone(),
+                inflight: *inflight,
+                quota_used: *used,
+            });
+        }
+        let mut penalties = Vec::new();
+        let mut upstreams = Vec::new();
+        for ((name, shared, rate), (until, m)) in self.upstreams.iter().zip(&s.upstreams) {
+            let left = ns(*until);
+            if left > 0 {
+                penalties.push(PenaltySnapshot {
+                    upstream: name.to_string(),
+                    shared: *shared,
+                    retry_after_ms: ceil_ms(left),
+                });
+            }
+            upstreams.push(UpstreamSnapshot {
+                upstream: name.to_string(),
+                shared: *shared,
+                published_limit: None,
+                reserved_for_batch: None,
+                configured_rate: *rate,
+                effective_rate: rate.map(|r| r * m),
+                multiplier: *m,
+                throttle_probability: 0.0,
+                requests: 0,
+                accepts: 0,
+                fair_share: None,
+            });
+        }
+        TenantSnapshot {
+            tenant: self.tenant.to_string(),
+            plan: self.plan.clone(),
+            mode: self.mode,
+            inflight: s.tenant_inflight,
+            waiting: 0,
+            leases: s.tenant_inflight as usize,
+            quota: QuotaSnapshot {
+                day_used: s.tenant_quota_used,
+                daily_quota: self.daily_quota,
+                subject_daily_quota: self.subject_daily_quota,
+                resets_in_ms: ceil_ms(ns(s.day_ends_us)),
+            },
+            buckets,
+            subjects,
+            penalties,
+            upstreams,
+        }
+    }
+}

@@ -1,0 +1,428 @@
+-- admitd's shared-store script: every state change of an admission decision, run atomically inside
+-- Redis. Loaded once per connection and called by its SHA (EVALSHA; reloaded on NOSCRIPT).
+--
+-- ARGV[1] names the operation, ARGV[2] is its JSON spec (built by src/store/redis.rs). Every key the
+-- script touches is named in the spec; KEYS[1] is one of them, so that Redis Cluster routes the
+-- call to the shard that holds them all (every key of one call shares one hash tag).
+--
+-- Time is the store's own (TIME), in microseconds since the Unix epoch, so replicas whose clocks
+-- disagree still enforce one limit. Microseconds keep every instant exact in a Lua double for
+-- centuries (2^53 us is 285 years).
+--
+-- Buckets are GCRA, as in the in-memory engine (src/engine/bucket.rs): a hash with `tat` (the
+-- instant the bucket is full again) and `p` (the promise cursor that spreads retry hints).
+-- Operations:
+--   decide   check and spend every layer of one call, all or nothing; returns ok / shed / busy
+--   release  end a lease: free its slots, refund what a cancelled hold took, report the upstream
+--   upstream report an upstream's answer seen outside a lease (penalty, AIMD, adaptive window)
+--   refund   give back bucket tokens (a cross-shard part of a call refused by another shard)
+--   snapshot read a tenant's state for GET /v1/tenants/{tenant}
+
+local op = ARGV[1]
+local spec = cjson.decode(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local HORIZON = 60e6       -- how far ahead bucket promises may run
+local GRACE = 1e6          -- how long after its slot a promise still holds
+local DAY = 86400e6
+local KEEP = 2 * DAY       -- quota counters outlive their day by one
+
+local function num(x, d)
+  if x == false or x == nil then return d end
+  return tonumber(x) or d
+end
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local function expire_at(key, at)
+  local ms = math.ceil((at - now) / 1000)
+  if ms < 1 then ms = 1 end
+  redis.call('PEXPIRE', key, ms)
+end
+
+-- The AIMD multiplier of an upstream state hash (1 once a cut is older than `forget`).
+local function multiplier(key, forget)
+  if key == nil or key == '' then return 1 end
+  local h = redis.call('HMGET', key, 'm', 'cut')
+  local m, cut = num(h[1], 1), num(h[2], 0)
+  if now - cut > forget then return 1 end
+  return m
+end
+
+local function cursor_live(cursor, tat, tau, nb)
+  return cursor > math.max(tat, now) and math.max(cursor - tau, nb) + GRACE > now
+end
+
+-- The slot promised to a refused call of `inc` that cannot come back before `nb`: the next one after
+-- those promised earlier. Returns the new cursor, the wait and whether every slot up to the horizon
+-- is promised already (booked; nothing is promised then).
+local function promise_at(cursor, tat, nb, inc, tau)
+  if not cursor_live(cursor, tat, tau, nb) then cursor = 0 end
+  local base = math.max(tat, now, nb)
+  local limit = base + inc + math.max(HORIZON, tau)
+  local nxt = math.max(cursor, base) + inc
+  local function at(slot) return math.max(slot - tau, nb, now) - now end
+  if nxt > limit then return cursor, at(limit), 1 end
+  return nxt, at(nxt), 0
+end
+
+-- A staggered slot on a cursor field: `step` after the last one handed out, never before `base`,
+-- starting over at `base` past `base + window`.
+local function stagger(key, field, base, step, window)
+  local last = num(redis.call('HGET', key, field), 0)
+  local nxt = math.max(last + step, base)
+  if nxt > base + window then nxt = base end
+  redis.call('HSET', key, field, fmt(nxt))
+  expire_at(key, nxt + window + GRACE)
+  return nxt
+end
+
+local function whole_tokens(burst, T, tat)
+  local missing = math.max(tat - now, 0)
+  local tokens = burst - missing / T
+  if tokens <= 0 then return 0 end
+  return math.floor(tokens + burst * 1e-12)
+end
+
+-- Reads every bucket layer of a call: its shape at the current AIMD multiplier and its state.
+local function read_layers(layers, forget)
+  local out = {}
+  for i, l in ipairs(layers) do
+    local m = multiplier(l.m, l.f or forget)
+    local T = l.T / m
+    local tau = l.b * T
+    local inc = math.floor(l.n * T)
+    local h = redis.call('HMGET', l.k, 'tat', 'p')
+    local tat, p = num(h[1], 0), num(h[2], 0)
+    local short = math.max(math.max(tat, now) + inc - (now + tau), 0)
+    out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m}
+  end
+  return out
+end
+
+local function layer_report(layers, st, taken)
+  local r = {}
+  for i, l in ipairs(layers) do
+    local s = st[i]
+    local tat = s.tat
+    if taken then tat = math.max(s.tat, now) + s.inc end
+    r[#r + 1] = tostring(whole_tokens(l.b, s.T, tat))
+    r[#r + 1] = fmt(math.max(tat - now, 0))
+  end
+  return r
+end
+
+local function shed(scope, wait, booked, account_wide, layer, report)
+  if spec.shadow and spec.lease ~= '' then
+    -- Shadow mode admits the call without spending anything: its lease holds no slot and no token.
+    redis.call('HSET', spec.lease, 'subject', spec.subject, 'tool', spec.tool, 'cost', '0',
+      'day', '0', 'hold_until', '0', 'started', fmt(now), 'incs', '[]', 'quotas', '[]', 'zsets', '[]',
+      'up', cjson.encode(spec.up))
+    expire_at(spec.lease, now + spec.ttl)
+  end
+  local r = {'shed', scope, fmt(math.max(wait, 0)), tostring(booked), tostring(account_wide), tostring(layer)}
+  for _, v in ipairs(report) do r[#r + 1] = v end
+  return r
+end
+
+-- Adaptive-throttle window: requests and accepts per slot, `r:<slot>` and `a:<slot>` fields.
+local SRE_SLOTS = 24
+local function sre_totals(key, window)
+  local len = math.max(math.floor(window / SRE_SLOTS), 1)
+  local slot = math.floor(now / len)
+  local h = redis.call('HGETALL', key)
+  local req, acc = 0, 0
+  for i = 1, #h, 2 do
+    local f = h[i]
+    local kind, s = string.match(f, '^([ra]):(%d+)$')
+    if kind then
+      s = tonumber(s)
+      if s <= slot - SRE_SLOTS then
+        redis.call('HDEL', key, f)
+      elseif kind == 'r' then
+        req = req + tonumber(h[i + 1])
+      else
+        acc = acc + tonumber(h[i + 1])
+      end
+    end
+  end
+  return req, acc, slot
+end
+
+local function sre_record(key, window, requests, accepts)
+  local len = math.max(math.floor(window / SRE_SLOTS), 1)
+  local slot = math.floor(now / len)
+  if requests > 0 then redis.call('HINCRBY', key, 'r:' .. slot, requests) end
+  if accepts > 0 then redis.call('HINCRBY', key, 'a:' .. slot, accepts) end
+end
+
+-- An upstream's answer: a 429 starts (or extends) its penalty, cuts its AIMD rate and counts as a
+-- refusal in its adaptive window; any other answer recovers the rate and counts as an accept.
+-- `u`: {p = penalty key, s = state key, af, afl, ar (AIMD factor, floor, recover), aw (adaptive
+-- window, 0: off), forget}. Returns the penalty in microseconds (0: none).
+local function upstream_answer(u, limited, retry_after, default_penalty)
+  local penalty = 0
+  if limited then
+    penalty = retry_after
+    if penalty == nil or penalty < 0 then penalty = default_penalty end
+    local untl = now + penalty
+    local cur = num(redis.call('HGET', u.p, 'until'), 0)
+    if untl > cur then
+      redis.call('HSET', u.p, 'until', fmt(untl))
+      expire_at(u.p, untl + HORIZON)
+    end
+  end
+  if u.af then
+    local h = redis.call('HMGET', u.s, 'm', 'cut')
+    local m, cut = num(h[1], 1), num(h[2], 0)
+    if now - cut > u.forget then m = 1 end
+    if limited then
+      m = math.min(math.max(m * u.af, u.afl), 1)
+      redis.call('HSET', u.s, 'm', fmt(m), 'cut', fmt(now))
+    elseif m < 1 then
+      m = m + u.ar
+      if m >= 1 - 1e-9 then m = 1 end
+      redis.call('HSET', u.s, 'm', fmt(m))
+    end
+  end
+  if u.aw and u.aw > 0 then
+    sre_record(u.s, u.aw, 1, limited and 0 or 1)
+  end
+  if u.af or (u.aw and u.aw > 0) then
+    expire_at(u.s, now + math.max(u.forget, u.aw or 0) + GRACE)
+  end
+  return penalty
+end
+
+if op == 'decide' then
+  local st = read_layers(spec.layers, spec.forget)
+
+  -- Upstream penalty: refused until the upstream's Retry-After has passed, promised the slot of the
+  -- upstream's bucket after it (or a staggered instant, for an upstream without a bucket).
+  local pen_wait, pen = 0, nil
+  for _, p in ipairs(spec.pen) do
+    local untl = num(redis.call('HGET', p.k, 'until'), 0)
+    if untl > now and untl - now > pen_wait then pen_wait, pen = untl - now, p end
+  end
+  if pen then
+    local untl = now + pen_wait
+    local wait
+    if pen.layer > 0 then
+      local l, s = spec.layers[pen.layer], st[pen.layer]
+      local cursor, w = promise_at(s.p, s.tat, untl, s.inc, s.tau)
+      redis.call('HSET', l.k, 'p', fmt(cursor))
+      expire_at(l.k, math.max(cursor, s.tat, untl) + GRACE)
+      wait = w
+    else
+      wait = stagger(pen.k, 'c', untl, pen.step, math.min(math.max(pen_wait, 1e6), HORIZON)) - now
+    end
+    return shed('upstream_penalty', wait, 0, 1, 0, layer_report(spec.layers, st, false))
+  end
+
+  -- Adaptive throttling: refuse locally with the SRE probability over the upstream's window.
+  for _, a in ipairs(spec.ad) do
+    local req, acc = sre_totals(a.k, a.w)
+    local prob = math.max(0, (req - a.K * acc) / (req + 1))
+    if req >= (a.min or 0) and spec.rand < prob then
+      sre_record(a.k, a.w, 1, 0)
+      expire_at(a.k, now + a.w + GRACE)
+      local wait = stagger(a.k, 'c', now + a.step, a.step, 1e6) - now
+      return shed('adaptive', wait, 0, 1, 0, layer_report(spec.layers, st, false))
+    end
+  end
+
+  -- Concurrency: a sorted set of live leases per scope, scored by their expiry, so a lease that is
+  -- never released (its replica died) frees its slot at its TTL without a sweeper.
+  for _, c in ipairs(spec.conc) do
+    redis.call('ZREMRANGEBYSCORE', c.k, '-inf', fmt(now))
+    local n = redis.call('ZCARD', c.k)
+    if n >= c.cap then
+      -- The slot expected to free first: each lease's start plus how long this tool's calls run.
+      local run = num(redis.call('HGET', spec.rt.k, spec.rt.f), 1e6)
+      local earliest = nil
+      local live = redis.call('ZRANGE', c.k, 0, -1, 'WITHSCORES')
+      for i = 2, #live, 2 do
+        local started = tonumber(live[i]) - spec.ttl
+        local free = math.max(started + run, now + spec.floor)
+        if earliest == nil or free < earliest then earliest = free end
+      end
+      earliest = earliest or (now + run)
+      if spec.max_wait > 0 and not spec.shadow then
+        return {'busy', fmt(earliest - now)}
+      end
+      local step = math.max(run / c.cap, spec.floor)
+      local wait = stagger(spec.rt.k, c.cursor, earliest, step, math.max(run, 1e6)) - now
+      return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
+    end
+  end
+
+  -- Daily quota per UTC day of the store's clock.
+  local day = math.floor(now / DAY)
+  for _, q in ipairs(spec.quota) do
+    local used = num(redis.call('HGET', q.k, tostring(day)), 0)
+    if used + spec.cost > q.q + 1e-9 then
+      local wait = (day + 1) * DAY - now
+      return shed('daily_quota', wait, 0, q.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
+    end
+  end
+
+  -- Buckets, all or nothing. A call is held (its tokens reserved ahead) only within its wait, only on
+  -- layers that allow it, and never into tokens promised to callers refused earlier.
+  local hold = 0
+  for i, l in ipairs(spec.layers) do
+    local s = st[i]
+    local max_wait = 0
+    if l.hold then max_wait = spec.max_wait end
+    local behind = s.short > 0 and not spec.returning and cursor_live(s.p, s.tat, s.tau, 0)
+    if s.short > max_wait or behind then
+      -- Promise this caller the layer's next slot after earlier promises; the later layers' shortfalls
+      -- count too, so the hint covers the whole path.
+      local cursor, wait, booked = promise_at(s.p, s.tat, 0, s.inc, s.tau)
+      if booked == 0 then
+        redis.call('HSET', l.k, 'p', fmt(cursor))
+        expire_at(l.k, math.max(cursor, s.tat) + GRACE)
+      end
+      for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
+      local r = shed('layer', wait, booked, 0, i, layer_report(spec.layers, st, false))
+      r[#r + 1] = fmt(s.m)
+      return r
+    end
+    if s.short > hold then hold = s.short end
+  end
+
+  for i, l in ipairs(spec.layers) do
+    local s = st[i]
+    local tat = math.max(s.tat, now) + s.inc
+    redis.call('HSET', l.k, 'tat', fmt(tat))
+    expire_at(l.k, math.max(tat, s.p) + GRACE)
+  end
+  for _, q in ipairs(spec.quota) do
+    redis.call('HINCRBYFLOAT', q.k, tostring(day), fmt(spec.cost))
+    expire_at(q.k, (day + 1) * DAY + KEEP)
+  end
+  local report = layer_report(spec.layers, st, true)
+  if spec.lease ~= '' then
+    local ends = now + hold + spec.ttl
+    for _, c in ipairs(spec.conc) do
+      redis.call('ZADD', c.k, fmt(ends), spec.id)
+      expire_at(c.k, ends + GRACE)
+    end
+    local incs = {}
+    for i, l in ipairs(spec.layers) do incs[#incs + 1] = {l.k, st[i].inc} end
+    local quotas = {}
+    for _, q in ipairs(spec.quota) do quotas[#quotas + 1] = q.k end
+    local zsets = {}
+    for _, c in ipairs(spec.conc) do zsets[#zsets + 1] = c.k end
+    redis.call('HSET', spec.lease,
+      'subject', spec.subject, 'tool', spec.tool, 'cost', fmt(spec.cost),
+      'day', tostring(day), 'hold_until', fmt(now + hold), 'started', fmt(now),
+      'incs', cjson.encode(incs), 'quotas', cjson.encode(quotas), 'zsets', cjson.encode(zsets),
+      'up', cjson.encode(spec.up))
+    expire_at(spec.lease, ends)
+  end
+  if spec.index ~= '' then
+    redis.call('ZADD', spec.index, fmt(now), spec.subject)
+    redis.call('ZREMRANGEBYSCORE', spec.index, '-inf', fmt(now - DAY))
+    expire_at(spec.index, now + DAY)
+  end
+  local r = {'ok', fmt(hold)}
+  for _, v in ipairs(report) do r[#r + 1] = v end
+  return r
+end
+
+-- Gives back tokens: `incs` is a list of {key, microseconds}.
+local function refund(incs)
+  for _, kv in ipairs(incs) do
+    local tat = num(redis.call('HGET', kv[1], 'tat'), nil)
+    if tat then redis.call('HSET', kv[1], 'tat', fmt(tat - kv[2])) end
+  end
+end
+
+if op == 'release' then
+  local h = redis.call('HGETALL', spec.lease)
+  if #h == 0 then return {'unknown'} end
+  local l = {}
+  for i = 1, #h, 2 do l[h[i]] = h[i + 1] end
+  redis.call('DEL', spec.lease)
+  for _, z in ipairs(cjson.decode(l.zsets)) do redis.call('ZREM', z, spec.id) end
+  -- refund: 'always' (a held caller went away), 'never' (an edge admission ends), or 'hold' (a
+  -- cancellation refunds only while the call was still held: after that the call ran).
+  local give_back = spec.refund == 'always' or (spec.refund == 'hold' and now < tonumber(l.hold_until))
+  if give_back then
+    refund(cjson.decode(l.incs))
+    for _, q in ipairs(cjson.decode(l.quotas)) do
+      local used = num(redis.call('HGET', q, l.day), 0)
+      redis.call('HSET', q, l.day, fmt(math.max(used - tonumber(l.cost), 0)))
+    end
+  end
+  local penalty = 0
+  local ups = cjson.decode(l.up)
+  if spec.report then
+    for i, u in ipairs(ups) do
+      if i == 1 and not u.x then
+        penalty = upstream_answer(u, spec.limited, spec.retry_after, spec.default_penalty)
+      end
+    end
+  end
+  if spec.duration >= 0 then
+    local rt = spec.rt_key
+    local avg = num(redis.call('HGET', rt, l.tool), nil)
+    local d = spec.duration
+    if avg then avg = 0.8 * avg + 0.2 * d else avg = d end
+    redis.call('HSET', rt, l.tool, fmt(avg))
+    expire_at(rt, now + DAY)
+  end
+  local cross, name = '', ''
+  if #ups > 0 then
+    name = ups[1].n or ''
+    if ups[1].x then cross = cjson.encode(ups[1]) end
+  end
+  return {'released', fmt(penalty), l.subject, l.tool, name, cross, l.hold_until, fmt(now)}
+end
+
+if op == 'upstream' then
+  local penalty = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty)
+  return {'ok', fmt(penalty)}
+end
+
+if op == 'refund' then
+  refund(spec.incs)
+  return {'ok'}
+end
+
+if op == 'snapshot' then
+  -- Empty key names are skipped (a cluster reads cross-tenant upstreams in a second call).
+  local day = tostring(math.floor(now / DAY))
+  local function tat(k) if k == '' then return 0 end return num(redis.call('HGET', k, 'tat'), 0) end
+  local function live(k)
+    if k == '' then return 0 end
+    redis.call('ZREMRANGEBYSCORE', k, '-inf', fmt(now))
+    return redis.call('ZCARD', k)
+  end
+  local function used(k) if k == '' then return 0 end return num(redis.call('HGET', k, day), 0) end
+  local out = {now = now, day_ends = (tonumber(day) + 1) * DAY,
+    tenant_tat = tat(spec.tenant), tenant_inflight = live(spec.tenant_slots),
+    tenant_quota = used(spec.tenant_quota), subjects = {}, pens = {}, ups = {}}
+  if spec.index ~= '' then
+    local names = redis.call('ZREVRANGEBYSCORE', spec.index, '+inf', fmt(now - DAY), 'LIMIT', 0, spec.max_subjects)
+    for _, n in ipairs(names) do
+      out.subjects[#out.subjects + 1] = {name = n, tat = tat(spec.subject_bucket .. n),
+        inflight = live(spec.subject_slots .. n), quota = used(spec.subject_quota .. n)}
+    end
+  end
+  for i, k in ipairs(spec.pens) do
+    out.pens[i] = num(redis.call('HGET', k, 'until'), 0)
+  end
+  for i, k in ipairs(spec.ups) do
+    local h = redis.call('HMGET', k, 'm', 'cut')
+    local m = num(h[1], 1)
+    if now - num(h[2], 0) > spec.forget then m = 1 end
+    out.ups[i] = m
+  end
+  return cjson.encode(out)
+end
+
+return redis.error_reply('admitd: unknown operation ' .. tostring(op))

@@ -1,0 +1,135 @@
+//! Key names in the shared store.
+//!
+//! Every key of one tenant carries the tenant as a Redis Cluster hash tag (`{t:NAME}`), so one call's
+//! script runs on the one shard that holds all of that tenant's state. State shared by every tenant
+//! (the global buckets and `shared = true` upstreams) lives under one tag of its own (`{x}`): in a
+//! cluster a call that spends it takes a second round trip to that shard (see
+//! [`super::redis::RedisStore::decide`]). Names are the tenant's, subject's, tool's and upstream's as
+//! sent: they contain no control characters, and where two of them meet the first is length-prefixed,
+//! so no two states share a key.
+
+use crate::engine::StateKey;
+
+/// Builds the keys of one fleet (one `key_prefix`).
+#[derive(Debug, Clone)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Self {
+        Keys {
+            prefix: prefix.to_string(),
+        }
+    }
+
+    /// The part every key of `tenant` starts with.
+    pub fn tenant_base(&self, tenant: &str) -> String {
+        format!("{}:{{t:{tenant}}}", self.prefix)
+    }
+
+    /// The part every cross-tenant key starts with.
+    pub fn cross_base(&self) -> String {
+        format!("{}:{{x}}", self.prefix)
+    }
+
+    pub fn key(&self, tenant: &str, k: &StateKey) -> String {
+        let t = || self.tenant_base(tenant);
+        let x = || self.cross_base();
+        match k {
+            StateKey::SubjectBucket(s) => format!("{}:b:s:{s}", t()),
+            StateKey::SubjectToolBucket(s, tool) => {
+                format!("{}:b:st:{}:{s}:{tool}", t(), s.len())
+            }
+            StateKey::TenantBucket => format!("{}:b:t", t()),
+            StateKey::UpstreamBucket(u) => format!("{}:b:u:{u}", t()),
+            StateKey::SharedUpstreamBucket(u) => format!("{}:b:u:{u}", x()),
+            StateKey::GlobalBucket(None) => format!("{}:b:g", x()),
+            StateKey::GlobalBucket(Some(plan)) => format!("{}:b:g:{plan}", x()),
+            StateKey::SubjectSlots(s) => format!("{}:c:s:{s}", t()),
+            StateKey::TenantSlots => format!("{}:c:t", t()),
+            StateKey::SubjectQuota(s) => format!("{}:q:s:{s}", t()),
+            StateKey::TenantQuota => format!("{}:q:t", t()),
+            StateKey::Penalty(u, false) => format!("{}:pen:{u}", t()),
+            StateKey::Penalty(u, true) => format!("{}:pen:{u}", x()),
+            StateKey::UpstreamState(u, false) => format!("{}:up:{u}", t()),
+            StateKey::UpstreamState(u, true) => format!("{}:up:{u}", x()),
+            StateKey::Lease(id) => format!("{}:l:{id:016x}", t()),
+            StateKey::RunTimes => format!("{}:rt", t()),
+            StateKey::SubjectIndex => format!("{}:subjects", t()),
+        }
+    }
+}
+
+/// The hash tag Redis Cluster places a key by: the part between the first `{` and the next `}`.
+pub fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{') {
+        if let Some(len) = key[open + 1..].find('}') {
+            if len > 0 {
+                return &key[open + 1..open + 1 + len];
+            }
+        }
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn every_key_of_a_tenant_shares_its_tag_and_cross_tenant_keys_share_theirs() {
+        let k = Keys::new("admitd");
+        let s: Arc<str> = Arc::from("bot");
+        let u: Arc<str> = Arc::from("crm");
+        let tenant_keys = [
+            StateKey::SubjectBucket(s.clone()),
+            StateKey::SubjectToolBucket(s.clone(), Arc::from("search")),
+            StateKey::TenantBucket,
+            StateKey::UpstreamBucket(u.clone()),
+            StateKey::SubjectSlots(s.clone()),
+            StateKey::TenantSlots,
+            StateKey::SubjectQuota(s.clone()),
+            StateKey::TenantQuota,
+            StateKey::Penalty(u.clone(), false),
+            StateKey::UpstreamState(u.clone(), false),
+            StateKey::Lease(7),
+            StateKey::RunTimes,
+            StateKey::SubjectIndex,
+        ];
+        for key in &tenant_keys {
+            assert!(!key.cross_tenant(), "{key:?}");
+            assert_eq!(hash_tag(&k.key("acme", key)), "t:acme", "{key:?}");
+        }
+        let cross = [
+            StateKey::SharedUpstreamBucket(u.clone()),
+            StateKey::GlobalBucket(None),
+            StateKey::GlobalBucket(Some(Arc::from("free"))),
+            StateKey::Penalty(u.clone(), true),
+            StateKey::UpstreamState(u, true),
+        ];
+        for key in &cross {
+            assert!(key.cross_tenant(), "{key:?}");
+            assert_eq!(hash_tag(&k.key("acme", key)), "x", "{key:?}");
+        }
+    }
+
+    #[test]
+    fn names_that_meet_cannot_make_the_same_key() {
+        let k = Keys::new("p");
+        let a = k.key(
+            "t",
+            &StateKey::SubjectToolBucket(Arc::from("a:b"), Arc::from("c")),
+        );
+        let b = k.key(
+            "t",
+            &StateKey::SubjectToolBucket(Arc::from("a"), Arc::from("b:c")),
+        );
+        assert_ne!(a, b);
+        assert_eq!(
+            k.key("t", &StateKey::Lease(255)),
+            "p:{t:t}:l:00000000000000ff"
+        );
+    }
+}

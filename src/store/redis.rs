@@ -1,0 +1,914 @@
+//! The Redis store: admission state shared by every replica that points at the same Redis (or Redis
+//! Cluster), decided by one server-side script per call (`admitd.lua`).
+//!
+//! Connections live on a thread of their own (`admitd-store`, a single-threaded tokio runtime) so a
+//! busy worker never delays another worker's replies from Redis. A multiplexed connection carries
+//! every call sent on it at once: the calls of one tenant actor, and of every actor on the process,
+//! are pipelined onto `pool_size` connections without waiting for each other's answers.
+//!
+//! Failures: every call is bounded by `[store] timeout`. A broken connection, or three failed calls
+//! in a row, marks the store down: connections are dropped, calls go straight to the `on_error`
+//! policy without touching the network, and a probe reconnects every [`PROBE_EVERY`] until Redis
+//! answers a PING, when shared enforcement resumes.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwapOption;
+use serde_json::{json, Value};
+
+use super::keys::{hash_tag, Keys};
+use super::StoreMode;
+use crate::config::{OnError, StoreConfig};
+use crate::engine::{
+    ReleaseInfo, RemoteAnswer, RemoteCall, RemoteScope, RemoteSnapshotPlan, RemoteSnapshotState,
+    StateKey, UpstreamReport,
+};
+use crate::telemetry::names;
+use crate::telemetry::Telemetry;
+
+/// How often a store marked down is tried again.
+pub const PROBE_EVERY: Duration = Duration::from_millis(500);
+/// Failed calls in a row that mark the store down (a broken connection does at once).
+const FAILURES_TO_DOWN: u32 = 3;
+/// The penalty of a 429 reported without a Retry-After.
+const DEFAULT_PENALTY_US: f64 = 1e6;
+
+const SCRIPT: &str = include_str!("admitd.lua");
+
+/// Why a call to the store did not answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// No answer within `[store] timeout`.
+    Timeout,
+    /// Not connected, or the connection broke.
+    Connection(String),
+    /// Redis answered with an error.
+    Script(String),
+}
+
+impl StoreError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Timeout => "timeout",
+            StoreError::Connection(_) => "connection",
+            StoreError::Script(_) => "script",
+        }
+    }
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::Timeout => write!(f, "no answer within the store timeout"),
+            StoreError::Connection(e) => write!(f, "not connected: {e}"),
+            StoreError::Script(e) => write!(f, "the store answered an error: {e}"),
+        }
+    }
+}
+
+enum Conns {
+    Single(Vec<redis::aio::MultiplexedConnection>),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// What a release did in the store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreReleased {
+    pub subject: String,
+    pub tool: String,
+    pub upstream: Option<String>,
+    pub penalty: Option<Duration>,
+    /// How long the lease was held after its hold ended, in microseconds of the store's clock.
+    pub held_us: f64,
+}
+
+/// How a release gives back what the call took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refund {
+    /// Everything (a held caller went away before the answer).
+    Always,
+    /// Nothing (an edge admission ends at once; what it spent stays spent).
+    Never,
+    /// Only when cancelled while still held (after that the call ran).
+    IfHeld,
+}
+
+/// A Redis store shared by several replicas.
+pub struct RedisStore {
+    cfg: StoreConfig,
+    keys: Keys,
+    script: redis::Script,
+    conns: ArcSwapOption<Conns>,
+    up: AtomicBool,
+    failures: AtomicU32,
+    probing: AtomicBool,
+    next: AtomicUsize,
+    runtime: tokio::runtime::Handle,
+    telemetry: Telemetry,
+    last_error: parking_lot::Mutex<String>,
+}
+
+impl RedisStore {
+    /// Starts the store's thread and connects. A Redis that is not reachable yet is not an error:
+    /// the store starts down (admissions follow `on_error`) and connects when Redis answers.
+    pub async fn start(cfg: &StoreConfig, telemetry: Telemetry) -> Result<Arc<Self>, String> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("admitd-store".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = tx.send(Err(format!("cannot start the store thread: {e}")));
+                        return;
+                    }
+                };
+                let _ = tx.send(Ok(rt.handle().clone()));
+                rt.block_on(std::future::pending::<()>());
+            })
+            .map_err(|e| format!("cannot start the store thread: {e}"))?;
+        let runtime = rx
+            .recv()
+            .map_err(|_| "the store thread ended at start".to_string())??;
+        let store = Arc::new(RedisStore {
+            keys: Keys::new(&cfg.key_prefix),
+            cfg: cfg.clone(),
+            script: redis::Script::new(SCRIPT),
+            conns: ArcSwapOption::empty(),
+            up: AtomicBool::new(false),
+            failures: AtomicU32::new(0),
+            probing: AtomicBool::new(false),
+            next: AtomicUsize::new(0),
+            runtime,
+            telemetry,
+            last_error: parking_lot::Mutex::new("not connected yet".into()),
+        });
+        let first = Arc::clone(&store);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        store.runtime.spawn(async move {
+            let _ = tx.send(first.connect().await);
+        });
+        let connected = rx
+            .await
+            .unwrap_or_else(|_| Err("the store thread ended at start".into()));
+        match connected {
+            Ok(()) => tracing::info!(store = "redis", "connected to the shared store"),
+            Err(e) => {
+                tracing::warn!(
+                    store = "redis",
+                    error = %e,
+                    on_error = store.cfg.on_error.as_str(),
+                    "the shared store is not reachable; admissions follow on_error until it is"
+                );
+                store.mark_down(e);
+            }
+        }
+        store.publish_mode();
+        Ok(store)
+    }
+
+    /// Opens the connections (within a second per node) and loads the script.
+    async fn connect(self: &Arc<Self>) -> Result<(), String> {
+        let limit = Duration::from_secs(1).max(self.cfg.timeout);
+        let urls = self.cfg.urls();
+        let conns = if self.cfg.cluster {
+            let client = redis::cluster::ClusterClient::builder(urls)
+                .connection_timeout(limit)
+                .response_timeout(limit.max(Duration::from_secs(1)))
+                .build()
+                .map_err(|e| e.to_string())?;
+            let c = tokio::time::timeout(limit, client.get_async_connection())
+                .await
+                .map_err(|_| "connecting timed out".to_string())?
+                .map_err(|e| e.to_string())?;
+            Conns::Cluster(c)
+        } else {
+            let url = urls.first().cloned().unwrap_or_default();
+            let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
+            let mut v = Vec::with_capacity(self.cfg.pool_size);
+            for _ in 0..self.cfg.pool_size {
+                let c = tokio::time::timeout(limit, client.get_multiplexed_async_connection())
+                    .await
+                    .map_err(|_| "connecting timed out".to_string())?
+                    .map_err(|e| e.to_string())?;
+                v.push(c);
+            }
+            Conns::Single(v)
+        };
+        let conns = Arc::new(conns);
+        // A PING proves the connection (and the credentials in the URL).
+        let ping = redis::cmd("PING");
+        let pong: Result<String, redis::RedisError> = match &*conns {
+            Conns::Single(v) => ping.query_async(&mut v[0].clone()).await,
+            Conns::Cluster(c) => ping.query_async(&mut c.clone()).await,
+        };
+        pong.map_err(|e| e.to_string())?;
+        self.conns.store(Some(conns));
+        self.failures.store(0, Ordering::Release);
+        self.up.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether admissions are decided on the shared state now.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// How admissions are decided now.
+    pub fn mode(&self) -> StoreMode {
+        if self.is_up() {
+            return StoreMode::Shared;
+        }
+        match self.cfg.on_error {
+            OnError::FailClosed => StoreMode::FailClosed,
+            OnError::FailOpen => StoreMode::FailOpen,
+            OnError::LocalFallback => StoreMode::LocalFallback,
+        }
+    }
+
+    pub fn on_error(&self) -> OnError {
+        self.cfg.on_error
+    }
+
+    /// The replicas `local_fallback` divides every limit by.
+    pub fn replicas(&self) -> u32 {
+        self.cfg.replicas
+    }
+
+    /// For `/readyz`: whether the store answers, and what is known about it.
+    pub fn readiness(&self) -> (bool, Value) {
+        let up = self.is_up();
+        let mut v = json!({
+            "kind": "redis",
+            "cluster": self.cfg.cluster,
+            "state": if up { "connected" } else { "unreachable" },
+            "mode": self.mode().as_str(),
+            "on_error": self.cfg.on_error.as_str(),
+        });
+        if !up {
+            v["error"] = Value::String(self.last_error.lock().clone());
+        }
+        (up, v)
+    }
+
+    fn publish_mode(&self) {
+        let now = self.mode();
+        for m in StoreMode::ALL {
+            if m != StoreMode::Memory {
+                metrics::gauge!(names::STORE_MODE, "mode" => m.as_str()).set(if m == now {
+                    1.0
+                } else {
+                    0.0
+                });
+            }
+        }
+    }
+
+    fn mark_down(self: &Arc<Self>, why: String) {
+        *self.last_error.lock() = why;
+        self.conns.store(None);
+        let was_up = self.up.swap(false, Ordering::AcqRel);
+        if was_up {
+            tracing::warn!(
+                store = "redis",
+                error = %self.last_error.lock(),
+                on_error = self.cfg.on_error.as_str(),
+                "the shared store stopped answering; admissions follow on_error until it is back"
+            );
+        }
+        self.publish_mode();
+        if self.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = Arc::clone(self);
+        self.runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(PROBE_EVERY).await;
+                match me.connect().await {
+                    Ok(()) => {
+                        tracing::info!(
+                            store = "redis",
+                            "the shared store answers again; shared enforcement resumes"
+                        );
+                        break;
+                    }
+                    Err(e) => *me.last_error.lock() = e,
+                }
+            }
+            me.probing.store(false, Ordering::Release);
+            me.publish_mode();
+        });
+    }
+
+    fn failed(self: &Arc<Self>, e: &StoreError) {
+        metrics::counter!(names::STORE_ERRORS, "kind" => e.kind()).increment(1);
+        let in_a_row = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        let broken = matches!(e, StoreError::Connection(_));
+        if broken || in_a_row >= FAILURES_TO_DOWN {
+            self.mark_down(e.to_string());
+        } else {
+            *self.last_error.lock() = e.to_string();
+        }
+    }
+
+    /// One call of the script, bounded by the timeout.
+    async fn invoke(
+        self: &Arc<Self>,
+        route: &str,
+        op: &'static str,
+        spec: &Value,
+    ) -> Result<redis::Value, StoreError> {
+        let Some(conns) = self.conns.load_full() else {
+            return Err(StoreError::Connection(self.last_error.lock().clone()));
+        };
+        let body = spec.to_string();
+        let started = Instant::now();
+        let mut inv = self.script.key(route);
+        inv.arg(op).arg(body);
+        let call = async {
+            match &*conns {
+                Conns::Single(v) => {
+                    let i = self.next.fetch_add(1, Ordering::Relaxed) % v.len();
+                    inv.invoke_async::<redis::Value>(&mut v[i].clone()).await
+                }
+                Conns::Cluster(c) => inv.invoke_async::<redis::Value>(&mut c.clone()).await,
+            }
+        };
+        let out = match tokio::time::timeout(self.cfg.timeout, call).await {
+            Err(_) => Err(StoreError::Timeout),
+            Ok(Err(e))
+                if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() =>
+            {
+                Err(StoreError::Connection(e.to_string()))
+            }
+            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout),
+            Ok(Err(e)) => Err(StoreError::Script(e.to_string())),
+            Ok(Ok(v)) => Ok(v),
+        };
+        self.telemetry
+            .store_round_trip(started.elapsed().as_secs_f64());
+        match &out {
+            Ok(_) => self.failures.store(0, Ordering::Release),
+            Err(e) => self.failed(e),
+        }
+        out
+    }
+
+    fn key(&self, tenant: &str, k: &StateKey) -> String {
+        self.keys.key(tenant, k)
+    }
+
+    /// The spec of the part of `call` whose keys are cross-tenant (`cross`) or the tenant's own.
+    /// `split`: whether the call is split in two parts (a cluster); otherwise one part has it all.
+    /// Returns the spec, the key that routes it and, per layer of the part, its index in the call.
+    fn decide_spec(
+        &self,
+        tenant: &str,
+        call: &RemoteCall,
+        part: Part,
+    ) -> (Value, String, Vec<usize>) {
+        let keep = |k: &StateKey| match part {
+            Part::All => true,
+            Part::Tenant => !k.cross_tenant(),
+            Part::Cross => k.cross_tenant(),
+        };
+        let mut map = Vec::new();
+        let mut layers = Vec::new();
+        for (i, l) in call.layers.iter().enumerate() {
+            if !keep(&l.key) {
+                continue;
+            }
+            map.push(i);
+            layers.push(json!({
+                "k": self.key(tenant, &l.key),
+                "T": l.t_us,
+                "b": l.burst,
+                "n": l.tokens,
+                "hold": l.hold,
+                "m": l.aimd.as_ref().map_or(String::new(), |m| self.key(tenant, m)),
+                "f": l.forget_us,
+            }));
+        }
+        let local_index = |global: usize| {
+            // 1-based in the part, 0 when the layer is in the other part.
+            if global == 0 {
+                return 0;
+            }
+            map.iter()
+                .position(|&g| g + 1 == global)
+                .map_or(0, |p| p + 1)
+        };
+        let pen: Vec<Value> = call
+            .penalties
+            .iter()
+            .filter(|p| keep(&p.key))
+            .map(|p| {
+                json!({"k": self.key(tenant, &p.key), "layer": local_index(p.layer), "step": p.step_us})
+            })
+            .collect();
+        let ad: Vec<Value> = call
+            .adaptive
+            .iter()
+            .filter(|a| keep(&a.key))
+            .map(|a| {
+                json!({"k": self.key(tenant, &a.key), "w": a.window_us, "K": a.k,
+                       "min": a.min_requests, "step": a.step_us})
+            })
+            .collect();
+        let own = part != Part::Cross;
+        let conc: Vec<Value> = if own {
+            call.slots
+                .iter()
+                .map(|c| {
+                    json!({"k": self.key(tenant, &c.key), "cap": c.cap, "sub": c.subject,
+                           "cursor": if c.subject { "cs" } else { "ct" }})
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let quota: Vec<Value> = if own {
+            call.quotas
+                .iter()
+                .map(|q| json!({"k": self.key(tenant, &q.key), "q": q.quota, "sub": q.subject}))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let split = part != Part::All;
+        let up: Vec<Value> = call
+            .upstreams
+            .iter()
+            .map(|u| self.report_json(tenant, u, split && u.cross_tenant()))
+            .collect();
+        let lease = if own {
+            self.key(tenant, &StateKey::Lease(call.lease))
+        } else {
+            String::new()
+        };
+        let spec = json!({
+            "lease": lease,
+            "id": format!("{:016x}", call.lease),
+            "subject": &*call.subject,
+            "tool": &*call.tool,
+            "cost": call.cost,
+            "max_wait": call.max_wait_us,
+            "ttl": call.ttl_us,
+            "shadow": call.shadow && own,
+            "returning": call.returning,
+            "rand": call.rand,
+            "floor": call.floor_us,
+            "forget": 120e6,
+            "pen": pen,
+            "ad": ad,
+            "conc": conc,
+            "quota": quota,
+            "layers": layers,
+            "up": up,
+            "rt": {"k": self.key(tenant, &StateKey::RunTimes), "f": &*call.tool},
+            "index": if own { self.key(tenant, &StateKey::SubjectIndex) } else { String::new() },
+        });
+        let route = match part {
+            Part::Cross => format!("{}:route", self.keys.cross_base()),
+            _ => self.keys.tenant_base(tenant),
+        };
+        (spec, route, map)
+    }
+
+    fn report_json(&self, tenant: &str, u: &UpstreamReport, cross_part: bool) -> Value {
+        let mut v = json!({
+            "n": &*u.name,
+            "p": self.key(tenant, &u.penalty),
+            "s": self.key(tenant, &u.state),
+            "aw": u.adaptive_window_us,
+            "forget": u.forget_us,
+            "x": cross_part,
+        });
+        if let Some((f, fl, r)) = u.aimd {
+            v["af"] = json!(f);
+            v["afl"] = json!(fl);
+            v["ar"] = json!(r);
+        }
+        v
+    }
+
+    /// Decides a call: one round trip, or in a cluster two when the call spends cross-tenant state
+    /// (its tenant's shard first; if the second part refuses, the first is given back).
+    pub async fn decide(
+        self: Arc<Self>,
+        tenant: Arc<str>,
+        call: Arc<RemoteCall>,
+    ) -> Result<RemoteAnswer, StoreError> {
+        let n = call.layers.len();
+        let cross = self.cfg.cluster
+            && (call.layers.iter().any(|l| l.key.cross_tenant())
+                || call.penalties.iter().any(|p| p.key.cross_tenant())
+                || call.adaptive.iter().any(|a| a.key.cross_tenant()));
+        if !cross {
+            let (spec, route, map) = self.decide_spec(&tenant, &call, Part::All);
+            let v = self.invoke(&route, "decide", &spec).await;
+            return parse_decide(v, &map, n);
+        }
+        let (spec, route, map) = self.decide_spec(&tenant, &call, Part::Tenant);
+        let first = parse_decide(self.invoke(&route, "decide", &spec).await, &map, n)?;
+        let RemoteAnswer::Admitted {
+            hold_us: hold_a,
+            layers: layers_a,
+        } = first
+        else {
+            return Ok(first);
+        };
+        let (spec, route, map) = self.decide_spec(&tenant, &call, Part::Cross);
+        let second = parse_decide(self.invoke(&route, "decide", &spec).await, &map, n);
+        match second {
+            Ok(RemoteAnswer::Admitted { hold_us, layers }) => Ok(RemoteAnswer::Admitted {
+                hold_us: hold_us.max(hold_a),
+                layers: merge(layers_a, layers),
+            }),
+            other => {
+                // The tenant's part is given back: the call is refused (or not decided) as a whole.
+                let _ = self
+                    .clone()
+                    .release(tenant.clone(), call.lease, None, Refund::Always)
+                    .await;
+                match other {
+                    Ok(RemoteAnswer::Refused {
+                        scope,
+                        wait_us,
+                        booked,
+                        account_wide,
+                        layers,
+                        multiplier,
+                    }) => Ok(RemoteAnswer::Refused {
+                        scope,
+                        wait_us,
+                        booked,
+                        account_wide,
+                        layers: merge(layers_a, layers),
+                        multiplier,
+                    }),
+                    other => other,
+                }
+            }
+        }
+    }
+
+    /// Ends a lease; `None` when the store holds no such lease.
+    pub async fn release(
+        self: Arc<Self>,
+        tenant: Arc<str>,
+        lease: u64,
+        info: Option<ReleaseInfo>,
+        refund: Refund,
+    ) -> Result<Option<StoreReleased>, StoreError> {
+        let limited = info.as_ref().is_some_and(|i| {
+            i.outcome == crate::engine::Outcome::UpstreamRateLimited
+                || i.upstream_status == Some(429)
+        });
+        let retry_after = info
+            .as_ref()
+            .and_then(|i| i.retry_after)
+            .map_or(-1.0, |d| d.as_micros() as f64);
+        let duration = info
+            .as_ref()
+            .and_then(|i| i.duration_ms)
+            .map_or(-1.0, |ms| ms as f64 * 1e3);
+        let refund = match refund {
+            Refund::Always => "always",
+            Refund::Never => "never",
+            Refund::IfHeld => match info.as_ref().map(|i| i.outcome) {
+                Some(crate::engine::Outcome::Cancelled) => "hold",
+                _ => "never",
+            },
+        };
+        let spec = json!({
+            "lease": self.key(&tenant, &StateKey::Lease(lease)),
+            "id": format!("{lease:016x}"),
+            "refund": refund,
+            "report": info.is_some(),
+            "limited": limited,
+            "retry_after": retry_after,
+            "default_penalty": DEFAULT_PENALTY_US,
+            "duration": duration,
+            "rt_key": self.key(&tenant, &StateKey::RunTimes),
+        });
+        let route = self.keys.tenant_base(&tenant);
+        let v = self.invoke(&route, "release", &spec).await?;
+        let parts = strings(v)?;
+        if parts.first().map(String::as_str) != Some("released") || parts.len() < 8 {
+            return Ok(None);
+        }
+        let mut penalty_us: f64 = parts[1].parse().unwrap_or(0.0);
+        // A shared upstream in a cluster: its state lives on another shard.
+        if !parts[5].is_empty() && info.is_some() {
+            if let Ok(u) = serde_json::from_str::<Value>(&parts[5]) {
+                let spec = json!({"u": u, "limited": limited, "retry_after": retry_after,
+                                  "default_penalty": DEFAULT_PENALTY_US});
+                let route = format!("{}:route", self.keys.cross_base());
+                if let Ok(v) = self.invoke(&route, "upstream", &spec).await {
+                    if let Ok(p) = strings(v) {
+                        penalty_us = p.get(1).and_then(|x| x.parse().ok()).unwrap_or(penalty_us);
+                    }
+                }
+            }
+        }
+        let hold_until: f64 = parts[6].parse().unwrap_or(0.0);
+        let now: f64 = parts[7].parse().unwrap_or(0.0);
+        Ok(Some(StoreReleased {
+            subject: parts[2].clone(),
+            tool: parts[3].clone(),
+            upstream: (!parts[4].is_empty()).then(|| parts[4].clone()),
+            penalty: (penalty_us > 0.0).then(|| Duration::from_micros(penalty_us as u64)),
+            held_us: (now - hold_until).max(0.0),
+        }))
+    }
+
+    /// An upstream's answer seen outside a lease; returns the penalty it started.
+    pub async fn report(
+        self: Arc<Self>,
+        tenant: Arc<str>,
+        report: UpstreamReport,
+        status: u16,
+        retry_after: Option<Duration>,
+    ) -> Result<Option<Duration>, StoreError> {
+        let limited = status == 429;
+        let spec = json!({
+            "u": self.report_json(&tenant, &report, false),
+            "limited": limited,
+            "retry_after": retry_after.map_or(-1.0, |d| d.as_micros() as f64),
+            "default_penalty": DEFAULT_PENALTY_US,
+        });
+        let route = if report.cross_tenant() {
+            format!("{}:route", self.keys.cross_base())
+        } else {
+            self.keys.tenant_base(&tenant)
+        };
+        let route = if self.cfg.cluster {
+            route
+        } else {
+            self.keys.tenant_base(&tenant)
+        };
+        let parts = strings(self.invoke(&route, "upstream", &spec).await?)?;
+        let us: f64 = parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0);
+        Ok((us > 0.0).then(|| Duration::from_micros(us as u64)))
+    }
+
+    /// Reads a tenant's state for its snapshot.
+    pub async fn snapshot(
+        self: Arc<Self>,
+        plan: RemoteSnapshotPlan,
+    ) -> Result<RemoteSnapshotState, StoreError> {
+        let tenant = plan.tenant.clone();
+        let base = self.keys.tenant_base(&tenant);
+        // Cross-tenant upstream state is read from its own shard in a cluster; in one server the
+        // same script reads it.
+        let up_keys = |shared_ok: bool| -> (Vec<String>, Vec<String>) {
+            plan.upstreams
+                .iter()
+                .map(|(u, shared, _)| {
+                    let shared = *shared && shared_ok;
+                    (
+                        self.key(&tenant, &StateKey::Penalty(u.clone(), shared)),
+                        self.key(&tenant, &StateKey::UpstreamState(u.clone(), shared)),
+                    )
+                })
+                .unzip()
+        };
+        let (pens, ups) = up_keys(true);
+        let spec = json!({
+            "tenant": format!("{base}:b:t"),
+            "tenant_slots": format!("{base}:c:t"),
+            "tenant_quota": format!("{base}:q:t"),
+            "subject_bucket": format!("{base}:b:s:"),
+            "subject_slots": format!("{base}:c:s:"),
+            "subject_quota": format!("{base}:q:s:"),
+            "index": format!("{base}:subjects"),
+            "max_subjects": 100,
+            "pens": if self.cfg.cluster { up_keys(false).0 } else { pens.clone() },
+            "ups": if self.cfg.cluster { up_keys(false).1 } else { ups.clone() },
+            "forget": 120e6,
+        });
+        let v = self.invoke(&base, "snapshot", &spec).await?;
+        let text: String =
+            redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))?;
+        let raw: Value =
+            serde_json::from_str(&text).map_err(|e| StoreError::Script(e.to_string()))?;
+        let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+        let mut upstreams: Vec<(f64, f64)> = raw["ups"]
+            .as_array()
+            .map(|a| {
+                raw["pens"]
+                    .as_array()
+                    .unwrap_or(&Vec::new())
+                    .iter()
+                    .zip(a)
+                    .map(|(p, m)| (f(p), f(m)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if self.cfg.cluster && plan.upstreams.iter().any(|u| u.1) {
+            let spec = json!({
+                "tenant": "", "tenant_slots": "", "tenant_quota": "", "subject_bucket": "",
+                "subject_slots": "", "subject_quota": "", "index": "", "max_subjects": 0,
+                "pens": pens, "ups": ups, "forget": 120e6,
+            });
+            let route = format!("{}:route", self.keys.cross_base());
+            let v = self.invoke(&route, "snapshot", &spec).await?;
+            let text: String =
+                redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))?;
+            let cross: Value =
+                serde_json::from_str(&text).map_err(|e| StoreError::Script(e.to_string()))?;
+            for (i, (_, shared, _)) in plan.upstreams.iter().enumerate() {
+                if *shared {
+                    if let (Some(p), Some(m)) = (cross["pens"].get(i), cross["ups"].get(i)) {
+                        upstreams[i] = (f(p), f(m));
+                    }
+                }
+            }
+        }
+        let subjects = raw["subjects"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|s| {
+                        (
+                            s["name"].as_str().unwrap_or_default().to_string(),
+                            f(&s["tat"]),
+                            s["inflight"].as_u64().unwrap_or(0) as u32,
+                            f(&s["quota"]),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(RemoteSnapshotState {
+            now_us: f(&raw["now"]),
+            tenant_tat_us: f(&raw["tenant_tat"]),
+            tenant_inflight: raw["tenant_inflight"].as_u64().unwrap_or(0) as u32,
+            tenant_quota_used: f(&raw["tenant_quota"]),
+            day_ends_us: f(&raw["day_ends"]),
+            subjects,
+            upstreams,
+        })
+    }
+
+    /// Gives back a hash tag's worth of what [`RedisStore::decide`] reports it took, for tests of the
+    /// key layout.
+    pub fn tag_of(&self, tenant: &str, k: &StateKey) -> String {
+        hash_tag(&self.key(tenant, k)).to_string()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    All,
+    Tenant,
+    Cross,
+}
+
+/// Layer reports of two parts, in the call's order (a layer is in exactly one of them).
+fn merge(a: Vec<(u64, f64)>, b: Vec<(u64, f64)>) -> Vec<(u64, f64)> {
+    a.into_iter()
+        .zip(b)
+        .map(|(x, y)| if x.1 < 0.0 { y } else { x })
+        .collect()
+}
+
+fn strings(v: redis::Value) -> Result<Vec<String>, StoreError> {
+    redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))
+}
+
+/// Parses the script's answer to `decide`. Layer reports are placed at their index in the call
+/// (`map`); the layers of the other part are marked with a negative reset.
+fn parse_decide(
+    v: Result<redis::Value, StoreError>,
+    map: &[usize],
+    n: usize,
+) -> Result<RemoteAnswer, StoreError> {
+    let parts = strings(v?)?;
+    let bad = || StoreError::Script(format!("unexpected answer {parts:?}"));
+    let num = |i: usize| -> Result<f64, StoreError> {
+        parts.get(i).and_then(|s| s.parse().ok()).ok_or_else(bad)
+    };
+    let layers_from = |start: usize| -> Result<Vec<(u64, f64)>, StoreError> {
+        let mut out = vec![(0u64, -1.0f64); n];
+        for (j, &g) in map.iter().enumerate() {
+            let left = num(start + 2 * j)? as u64;
+            let reset = num(start + 2 * j + 1)?;
+            if let Some(slot) = out.get_mut(g) {
+                *slot = (left, reset);
+            }
+        }
+        Ok(out)
+    };
+    match parts.first().map(String::as_str) {
+        Some("ok") => Ok(RemoteAnswer::Admitted {
+            hold_us: num(1)?,
+            layers: layers_from(2)?,
+        }),
+        Some("busy") => Ok(RemoteAnswer::Busy { wait_us: num(1)? }),
+        Some("shed") => {
+            let scope = match parts.get(1).map(String::as_str) {
+                Some("upstream_penalty") => RemoteScope::Penalty,
+                Some("adaptive") => RemoteScope::Adaptive,
+                Some("concurrency") => RemoteScope::Concurrency,
+                Some("daily_quota") => RemoteScope::DailyQuota,
+                Some("layer") => {
+                    let local = num(5)? as usize;
+                    let global = local
+                        .checked_sub(1)
+                        .and_then(|l| map.get(l).copied())
+                        .ok_or_else(bad)?;
+                    RemoteScope::Layer(global)
+                }
+                _ => return Err(bad()),
+            };
+            let layers = layers_from(6)?;
+            let multiplier =
+                if scope == RemoteScope::Penalty || !matches!(scope, RemoteScope::Layer(_)) {
+                    1.0
+                } else {
+                    num(6 + 2 * map.len()).unwrap_or(1.0)
+                };
+            Ok(RemoteAnswer::Refused {
+                scope,
+                wait_us: num(2)?,
+                booked: num(3)? > 0.0,
+                account_wide: num(4)? > 0.0,
+                layers,
+                multiplier,
+            })
+        }
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(items: &[&str]) -> Result<redis::Value, StoreError> {
+        Ok(redis::Value::Array(
+            items
+                .iter()
+                .map(|s| redis::Value::BulkString(s.as_bytes().to_vec()))
+                .collect(),
+        ))
+    }
+
+    #[test]
+    fn answers_are_placed_at_their_layers_in_the_call() {
+        // Two of three layers in this part: the call's 0 and 2.
+        let a = parse_decide(v(&["ok", "250", "19", "500", "4", "100"]), &[0, 2], 3).unwrap();
+        assert_eq!(
+            a,
+            RemoteAnswer::Admitted {
+                hold_us: 250.0,
+                layers: vec![(19, 500.0), (0, -1.0), (4, 100.0)]
+            }
+        );
+        let s = parse_decide(
+            v(&[
+                "shed", "layer", "1000", "0", "0", "2", "19", "500", "0", "900", "0.5",
+            ]),
+            &[0, 2],
+            3,
+        )
+        .unwrap();
+        assert_eq!(
+            s,
+            RemoteAnswer::Refused {
+                scope: RemoteScope::Layer(2),
+                wait_us: 1000.0,
+                booked: false,
+                account_wide: false,
+                layers: vec![(19, 500.0), (0, -1.0), (0, 900.0)],
+                multiplier: 0.5,
+            }
+        );
+        assert_eq!(
+            parse_decide(v(&["busy", "1500"]), &[], 0).unwrap(),
+            RemoteAnswer::Busy { wait_us: 1500.0 }
+        );
+        assert!(matches!(
+            parse_decide(v(&["what"]), &[], 0),
+            Err(StoreError::Script(_))
+        ));
+        assert!(matches!(
+            parse_decide(v(&["shed", "layer", "1", "0", "0", "9"]), &[0], 1),
+            Err(StoreError::Script(_))
+        ));
+    }
+
+    #[test]
+    fn merged_reports_take_each_layer_from_the_part_that_has_it() {
+        let a = vec![(3, 10.0), (0, -1.0)];
+        let b = vec![(0, -1.0), (7, 20.0)];
+        assert_eq!(merge(a, b), vec![(3, 10.0), (7, 20.0)]);
+    }
+}
