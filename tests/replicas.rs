@@ -1,0 +1,450 @@
+//! Several admitd replicas sharing one Redis (and a three-shard Redis Cluster) enforce one budget:
+//! a runaway loop spread over three replicas is admitted exactly what one process would admit, a
+//! concurrency cap holds across replicas, the slots of a replica killed mid-call come back at the
+//! lease TTL, each `on_error` policy behaves as written while Redis is down, and quotas and
+//! penalties survive a `kill -9` of admitd.
+
+mod common;
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::redis::{RedisCluster, RedisServer};
+use common::{metric, Daemon};
+use serde_json::{json, Value};
+
+fn store(urls: &str, cluster: bool, extra: &str) -> String {
+    format!(
+        "[store]\nkind = \"redis\"\nurl = \"{urls}\"\ncluster = {cluster}\ntimeout = \"250ms\"\n{extra}\n"
+    )
+}
+
+fn replicas(n: usize, config: &str) -> Vec<Daemon> {
+    (0..n).map(|_| Daemon::start(config)).collect()
+}
+
+fn call(tenant: &str, subject: &str) -> Value {
+    json!({"tenant": tenant, "subject": subject, "tool": "search", "max_wait_ms": 0})
+}
+
+/// The runaway-loop scenario: two tenants at one call a second and one subject looping as fast as
+/// it can for 10 s, every call sent to the next of the replicas in turn. Returns (admitted calls of
+/// the loop, admitted calls of each light tenant).
+fn runaway_loop(daemons: &[Daemon]) -> (u64, [u64; 2]) {
+    let loop_admitted = AtomicU64::new(0);
+    let light = [AtomicU64::new(0), AtomicU64::new(0)];
+    let start = Instant::now();
+    let run = Duration::from_secs(10);
+    std::thread::scope(|s| {
+        for (i, tenant) in ["initech", "globex"].iter().enumerate() {
+            let light = &light[i];
+            s.spawn(move || {
+                for k in 0..10u32 {
+                    let at = Duration::from_millis(100) + Duration::from_secs(u64::from(k));
+                    if let Some(left) = at.checked_sub(start.elapsed()) {
+                        std::thread::sleep(left);
+                    }
+                    let k = k as usize;
+                    if admit_and_release(
+                        &daemons[k % daemons.len()],
+                        &daemons[(k + 1) % daemons.len()],
+                        tenant,
+                        "agent",
+                    ) {
+                        light.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        for w in 0..2usize {
+            let loop_admitted = &loop_admitted;
+            s.spawn(move || {
+                let mut k = w;
+                while start.elapsed() < run {
+                    let (d, r) = (
+                        &daemons[k % daemons.len()],
+                        &daemons[(k + 1) % daemons.len()],
+                    );
+                    k += 1;
+                    if admit_and_release(d, r, "acme", "runaway") {
+                        loop_admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    (
+        loop_admitted.into_inner(),
+        [
+            light[0].load(Ordering::Relaxed),
+            light[1].load(Ordering::Relaxed),
+        ],
+    )
+}
+
+/// Admits a call through `d` and, when admitted, releases it through `r`.
+fn admit_and_release(d: &Daemon, r: &Daemon, tenant: &str, subject: &str) -> bool {
+    let a = d.admit(call(tenant, subject));
+    if a.status != 200 {
+        return false;
+    }
+    assert_eq!(r.release(a.body["lease_id"].as_str().unwrap()).status, 200);
+    true
+}
+
+const LOOP_LIMITS: &str = "[limits.subject]\nrate = \"120/min\"\nburst = 20\n";
+
+#[test]
+fn three_replicas_on_one_redis_admit_a_loop_exactly_once() {
+    let redis = RedisServer::start();
+    let daemons = replicas(
+        3,
+        &format!("{LOOP_LIMITS}{}", store(&redis.url(), false, "")),
+    );
+    let (looped, light) = runaway_loop(&daemons);
+    println!("one Redis, three replicas: loop admitted {looped}, light tenants {light:?}");
+    // Burst 20 plus 2/s for 10 s: what one process admits.
+    assert!((38..=42).contains(&looped), "loop admitted {looped}");
+    assert_eq!(light, [10, 10]);
+}
+
+#[test]
+fn three_replicas_on_a_three_shard_cluster_admit_a_loop_exactly_once() {
+    let cluster = RedisCluster::start(3);
+    let urls = cluster.seed_urls().join(",");
+    let daemons = replicas(3, &format!("{LOOP_LIMITS}{}", store(&urls, true, "")));
+    let ready = daemons[0].get("/readyz");
+    assert_eq!(ready.body["store"]["cluster"], true, "{}", ready.body);
+    let (looped, light) = runaway_loop(&daemons);
+    println!(
+        "three-shard cluster, three replicas: loop admitted {looped}, light tenants {light:?}"
+    );
+    assert!((38..=42).contains(&looped), "loop admitted {looped}");
+    assert_eq!(light, [10, 10]);
+}
+
+#[test]
+fn a_concurrency_cap_holds_across_replicas_and_a_dead_replicas_slots_return_at_the_ttl() {
+    let redis = RedisServer::start();
+    let config = format!(
+        "[server]\nlease_ttl = \"2s\"\n[limits.subject]\nrate = \"100000/s\"\nburst = 100000\nconcurrency = 4\n{}",
+        store(&redis.url(), false, "")
+    );
+    let daemons = replicas(3, &config);
+    let live = AtomicI64::new(0);
+    let most = AtomicI64::new(0);
+    let admitted = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for c in 0..200usize {
+            let (live, most, admitted, daemons) = (&live, &most, &admitted, &daemons);
+            s.spawn(move || {
+                for k in 0..3usize {
+                    let d = &daemons[(c + k) % 3];
+                    let a = d.admit(call("acme", "fanout"));
+                    if a.status != 200 {
+                        continue;
+                    }
+                    let now = live.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(20));
+                    live.fetch_sub(1, Ordering::SeqCst);
+                    let lease = a.body["lease_id"].as_str().unwrap().to_string();
+                    // Released through another replica than the one that admitted it.
+                    assert_eq!(daemons[(c + k + 1) % 3].release(&lease).status, 200);
+                }
+            });
+        }
+    });
+    let most = most.into_inner();
+    println!(
+        "200 callers over three replicas: {} admitted, at most {most} in flight",
+        admitted.into_inner()
+    );
+    assert!(most <= 4, "{most} leases were live at once");
+    assert!(most >= 2, "the callers did overlap");
+
+    // A replica dies holding all four slots: the others refuse until the lease TTL frees them.
+    let mut daemons = daemons;
+    let mut doomed = daemons.remove(0);
+    for _ in 0..4 {
+        assert_eq!(doomed.admit(call("acme", "fanout")).status, 200);
+    }
+    let _ = doomed.child.kill();
+    let _ = doomed.child.wait();
+    let killed = Instant::now();
+    let refused = daemons[0].admit(call("acme", "fanout"));
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["scope"], "concurrency");
+    assert!(common::eventually(Duration::from_secs(5), || {
+        daemons[1].admit(call("acme", "fanout")).status == 200
+    }));
+    let back = killed.elapsed();
+    assert!(
+        back >= Duration::from_millis(1500) && back <= Duration::from_millis(3500),
+        "slots came back {back:?} after the kill (lease TTL 2 s)"
+    );
+}
+
+fn inflight(d: &Daemon, tenant: &str) -> u64 {
+    let a = d.get(&format!("/v1/tenants/{tenant}"));
+    match a.status {
+        404 => 0,
+        _ => a.body["inflight"].as_u64().unwrap_or(u64::MAX),
+    }
+}
+
+#[test]
+fn fail_closed_refuses_with_a_retry_hint_while_redis_is_down_and_resumes() {
+    let mut redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 3\n{}",
+        store(&redis.url(), false, "on_error = \"fail_closed\"")
+    ));
+    let held = d.admit(call("acme", "bot"));
+    assert_eq!(held.status, 200);
+    redis.stop();
+    for _ in 0..5 {
+        let started = Instant::now();
+        let a = d.admit(call("acme", "bot"));
+        assert!(
+            started.elapsed() < Duration::from_millis(1000),
+            "no long wait on the store"
+        );
+        assert_eq!(a.status, 503, "{}", a.body);
+        assert_eq!(a.body["error"], "store_unavailable");
+        assert!(a.body["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert_eq!(a.header("retry-after").as_deref(), Some("1"));
+        assert_eq!(a.body["tool_result"]["isError"], true);
+        let text = a.body["tool_result"]["content"][0]["text"]
+            .as_str()
+            .unwrap();
+        assert!(text.contains("Wait 1 second"), "{text}");
+    }
+    let ready = d.get("/readyz");
+    assert_eq!(ready.status, 503);
+    assert_eq!(
+        ready.body["store"]["state"], "unreachable",
+        "{}",
+        ready.body
+    );
+    assert_eq!(ready.body["store"]["mode"], "fail_closed");
+    let m = d
+        .get("/metrics")
+        .body
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        metric(&m, "admitd_store_mode{mode=\"fail_closed\"}"),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(
+        metric(
+            &m,
+            "admitd_store_fallback_decisions_total{mode=\"fail_closed\"}"
+        )
+        .unwrap_or(0.0)
+            >= 5.0
+    );
+    assert!(metric(&m, "admitd_store_errors_total{kind=\"connection\"}").unwrap_or(0.0) >= 1.0);
+
+    redis.restart();
+    assert!(common::eventually(Duration::from_secs(5), || d
+        .get("/readyz")
+        .status
+        == 200));
+    // Redis restarted empty (no persistence): shared enforcement resumes from its state.
+    let a = d.admit(call("acme", "bot"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(d.release(a.body["lease_id"].as_str().unwrap()).status, 200);
+    let m = d
+        .get("/metrics")
+        .body
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(metric(&m, "admitd_store_mode{mode=\"shared\"}"), Some(1.0));
+    assert_eq!(inflight(&d, "acme"), 0);
+    assert!(!d.log_lines().iter().any(|l| l.contains("panicked")));
+}
+
+#[test]
+fn fail_open_admits_while_redis_is_down_and_shared_limits_return_with_it() {
+    let redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 2\n{}",
+        store(&redis.url(), false, "on_error = \"fail_open\"")
+    ));
+    for _ in 0..2 {
+        assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    }
+    assert_eq!(d.admit(call("acme", "bot")).status, 429);
+    redis.pause();
+    let mut leases = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        let a = d.admit(call("acme", "bot"));
+        // The store does not answer at all: the call waits no longer than the timeout (250 ms).
+        assert!(
+            started.elapsed() < Duration::from_millis(900),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(a.status, 200, "{}", a.body);
+        leases.push(a.body["lease_id"].as_str().unwrap().to_string());
+    }
+    for l in &leases {
+        assert_eq!(d.release(l).status, 200, "an unchecked lease releases");
+    }
+    let m = d
+        .get("/metrics")
+        .body
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        metric(
+            &m,
+            "admitd_store_fallback_decisions_total{mode=\"fail_open\"}"
+        )
+        .unwrap_or(0.0)
+            >= 5.0,
+        "{m}"
+    );
+    assert!(
+        metric(&m, "admitd_store_errors_total{kind=\"timeout\"}").unwrap_or(0.0) >= 1.0,
+        "{m}"
+    );
+    redis.resume();
+    assert!(common::eventually(Duration::from_secs(5), || d
+        .get("/readyz")
+        .status
+        == 200));
+    // The subject's spent burst was kept in Redis all along.
+    let a = d.admit(call("acme", "bot"));
+    assert_eq!(a.status, 429, "{}", a.body);
+    assert_eq!(a.body["scope"], "subject");
+}
+
+#[test]
+fn local_fallback_enforces_a_share_of_each_limit_and_returns_to_shared_state() {
+    let mut redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 10\nconcurrency = 100\n{}",
+        store(
+            &redis.url(),
+            false,
+            "on_error = \"local_fallback\"\nreplicas = 2"
+        )
+    ));
+    for _ in 0..3 {
+        assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    }
+    redis.stop();
+    // Alone, this replica enforces half of the burst.
+    let admitted = (0..8)
+        .filter(|_| d.admit(call("acme", "bot")).status == 200)
+        .count();
+    assert_eq!(admitted, 5, "burst 10 / 2 replicas");
+    let m = d
+        .get("/metrics")
+        .body
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        metric(&m, "admitd_store_mode{mode=\"local_fallback\"}"),
+        Some(1.0)
+    );
+    assert_eq!(d.get("/readyz").status, 503);
+    redis.restart();
+    assert!(common::eventually(Duration::from_secs(5), || d
+        .get("/readyz")
+        .status
+        == 200));
+    // Back on the shared state (a fresh Redis, as it restarted without persistence).
+    let admitted = (0..12)
+        .filter(|_| d.admit(call("acme", "bot")).status == 200)
+        .count();
+    assert_eq!(admitted, 10);
+}
+
+#[test]
+fn quotas_penalties_and_leases_survive_a_kill_9_of_admitd() {
+    let redis = RedisServer::start();
+    let config = format!(
+        "[limits.subject]\ndaily_quota = 4\nconcurrency = 2\n[tools.crm_read]\nupstream = \"crm\"\n[upstreams.crm]\nrate = \"10/s\"\nburst = 10\n{}",
+        store(&redis.url(), false, "")
+    );
+    let mut first = Daemon::start(&config);
+    for _ in 0..2 {
+        assert_eq!(
+            first.admit(call("acme", "bot")).status,
+            200,
+            "two leases left in flight"
+        );
+    }
+    assert_eq!(first.admit(call("acme", "spender")).status, 200);
+    let f = first.post(
+        "/v1/feedback",
+        json!({"tenant": "acme", "upstream": "crm", "status": 429, "retry_after": "60"}),
+    );
+    assert_eq!(f.status, 202);
+    let _ = first.child.kill();
+    let _ = first.child.wait();
+
+    let second = Daemon::start(&config);
+    // The penalty is still there.
+    let a = second.admit(
+        json!({"tenant": "acme", "subject": "spender", "tool": "crm_read", "max_wait_ms": 0}),
+    );
+    assert_eq!(a.status, 429, "{}", a.body);
+    assert_eq!(a.body["scope"], "upstream_penalty");
+    assert!(a.body["retry_after_ms"].as_u64().unwrap() > 50_000);
+    // The in-flight leases still hold their slots.
+    let a = second.admit(call("acme", "bot"));
+    assert_eq!(a.status, 429, "{}", a.body);
+    assert_eq!(a.body["scope"], "concurrency");
+    // The daily quota: bot spent 2 of 4 and spender 1 (the penalty refusal spent nothing).
+    for _ in 0..3 {
+        let a = second.admit(call("acme", "spender"));
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(
+            second.release(a.body["lease_id"].as_str().unwrap()).status,
+            200
+        );
+    }
+    let over = second.admit(call("acme", "spender"));
+    assert_eq!(over.body["scope"], "daily_quota", "{}", over.body);
+    let snap = second.get("/v1/tenants/acme");
+    assert_eq!(snap.status, 200);
+    // bot's two leases and spender's first, all from before the kill.
+    assert_eq!(snap.body["inflight"], 3, "{}", snap.body);
+    assert!(snap.body["penalties"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["upstream"] == "crm"));
+}
+
+#[test]
+fn a_replica_shows_the_state_another_replica_spent() {
+    let redis = RedisServer::start();
+    let config = format!("{LOOP_LIMITS}{}", store(&redis.url(), false, ""));
+    let daemons = replicas(2, &config);
+    for _ in 0..5 {
+        assert_eq!(daemons[0].admit(call("acme", "bot")).status, 200);
+    }
+    let snap = daemons[1].get("/v1/tenants/acme");
+    assert_eq!(snap.status, 200, "{}", snap.body);
+    let bot = snap.body["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["layer"] == "subject" && b["key"] == "bot")
+        .cloned()
+        .unwrap_or_else(|| panic!("{}", snap.body));
+    assert_eq!(bot["tokens"], 15, "{bot}");
+}

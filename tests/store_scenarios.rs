@@ -1,0 +1,354 @@
+//! One behaviour suite, run against both stores: the in-process memory store and a real Redis that
+//! each test starts on a free port. Every scenario drives the real binary over HTTP and expects the
+//! same answers from either store: buckets, refunds, holds and their refund on disconnect, oversized
+//! calls, concurrency and the lease TTL, daily quotas, penalties, AIMD and shadow mode.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::Daemon;
+use serde_json::{json, Value};
+
+/// A daemon on `config`, with its state in memory or in a fresh Redis (kept alive beside it).
+struct Setup {
+    daemon: Daemon,
+    _redis: Option<RedisServer>,
+}
+
+fn start(config: &str, redis: bool) -> Setup {
+    if !redis {
+        return Setup {
+            daemon: Daemon::start(config),
+            _redis: None,
+        };
+    }
+    let server = RedisServer::start();
+    let text = format!(
+        "{config}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"500ms\"\n",
+        server.url()
+    );
+    let daemon = Daemon::start(&text);
+    let ready = daemon.get("/readyz");
+    assert_eq!(ready.body["store"]["kind"], "redis", "{}", ready.body);
+    assert_eq!(ready.body["store"]["mode"], "shared", "{}", ready.body);
+    Setup {
+        daemon,
+        _redis: Some(server),
+    }
+}
+
+fn call(tenant: &str, subject: &str, tool: &str) -> Value {
+    json!({"tenant": tenant, "subject": subject, "tool": tool, "max_wait_ms": 0})
+}
+
+fn lease(a: &common::Answer) -> String {
+    a.body["lease_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("an admission: {} {}", a.status, a.body))
+        .to_string()
+}
+
+fn snapshot(d: &Daemon, tenant: &str) -> Value {
+    let a = d.get(&format!("/v1/tenants/{tenant}"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    a.body
+}
+
+fn tokens(snap: &Value, layer: &str, key: &str) -> u64 {
+    snap["buckets"]
+        .as_array()
+        .and_then(|b| {
+            b.iter()
+                .find(|b| b["layer"] == layer && b["key"] == key)
+                .and_then(|b| b["tokens"].as_u64())
+        })
+        .unwrap_or_else(|| panic!("no {layer} bucket {key} in {snap}"))
+}
+
+/// The burst is spent and then refused with a retry hint; another subject is untouched.
+fn buckets_refuse_past_the_burst(redis: bool) {
+    let s = start("[limits.subject]\nrate = \"6/min\"\nburst = 5\n", redis);
+    let d = &s.daemon;
+    for i in 0..5 {
+        let a = d.admit(call("acme", "bot", "search"));
+        assert_eq!(a.status, 200, "call {i}: {}", a.body);
+        assert_eq!(a.body["remaining"], 4 - i, "{}", a.body);
+        assert_eq!(
+            a.header("ratelimit").unwrap(),
+            format!("\"subject\";r={};t={}", 4 - i, (i + 1) * 10)
+        );
+    }
+    let refused = d.admit(call("acme", "bot", "search"));
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["scope"], "subject");
+    let wait = refused.body["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        (9_000..=10_600).contains(&wait),
+        "one token at 6/min: {wait}"
+    );
+    assert_eq!(refused.body["tool_result"]["isError"], true);
+    let other = d.admit(call("acme", "other", "search"));
+    assert_eq!(other.status, 200, "{}", other.body);
+}
+
+/// A call refused by a later layer gives back what the earlier layers took.
+fn a_refusal_refunds_earlier_layers(redis: bool) {
+    let s = start(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 2\n[limits.tenant]\nrate = \"1/h\"\nburst = 3\n",
+        redis,
+    );
+    let d = &s.daemon;
+    for _ in 0..2 {
+        assert_eq!(d.admit(call("acme", "a", "t")).status, 200);
+    }
+    assert_eq!(d.admit(call("acme", "b", "t")).status, 200);
+    let refused = d.admit(call("acme", "b", "t"));
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.body["scope"], "tenant");
+    // b's subject bucket still holds the token the refused call did not spend.
+    assert_eq!(tokens(&snapshot(d, "acme"), "subject", "b"), 1);
+}
+
+/// A call allowed to wait is held until its token is there, and admitted.
+fn a_call_is_held_for_a_token_due_within_its_wait(redis: bool) {
+    let s = start("[limits.subject]\nrate = \"5/s\"\nburst = 1\n", redis);
+    let d = &s.daemon;
+    assert_eq!(d.admit(call("acme", "bot", "t")).status, 200);
+    let started = Instant::now();
+    let held =
+        d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "t", "max_wait_ms": 1000}));
+    assert_eq!(held.status, 200, "{}", held.body);
+    let waited = held.body["waited_ms"].as_u64().unwrap();
+    assert!((100..=260).contains(&waited), "a token at 5/s: {waited}");
+    assert!(started.elapsed() >= Duration::from_millis(100));
+}
+
+/// A held caller that hangs up gets its reservation back: the next caller finds the token.
+fn a_held_caller_that_hangs_up_is_refunded(redis: bool) {
+    let s = start("[limits.subject]\nrate = \"1/s\"\nburst = 1\n", redis);
+    let d = &s.daemon;
+    assert_eq!(d.admit(call("acme", "bot", "t")).status, 200);
+    let impatient = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(d.url("/v1/admit"))
+        .json(&json!({"tenant": "acme", "subject": "bot", "tool": "t", "max_wait_ms": 2000}))
+        .send();
+    assert!(gone.is_err(), "the client gave up during the hold");
+    // The first token refills at 1 s; without the refund the next would only be there at 2 s.
+    std::thread::sleep(Duration::from_millis(1250));
+    let next = d.admit(call("acme", "bot", "t"));
+    assert_eq!(
+        next.status, 200,
+        "the hung-up call's token came back: {}",
+        next.body
+    );
+}
+
+/// A cost no bucket on the path can hold is refused for good, with nothing to wait for.
+fn an_oversized_call_is_refused_without_a_wait(redis: bool) {
+    let s = start("[limits.subject]\nburst = 20\n", redis);
+    let a = s
+        .daemon
+        .admit(json!({"tenant": "acme", "subject": "bot", "tool": "t", "cost": 50}));
+    assert_eq!(a.status, 429);
+    assert_eq!(a.body["scope"], "oversized");
+    assert_eq!(a.body["retryable"], false);
+    assert_eq!(a.body["retry_after_ms"], 0);
+    assert!(a.header("retry-after").is_none());
+}
+
+/// A concurrency slot frees on release, and at the lease TTL when the call is never released.
+fn concurrency_slots_free_on_release_and_at_the_lease_ttl(redis: bool) {
+    let s = start(
+        "[server]\nlease_ttl = \"1s\"\n[limits.subject]\nconcurrency = 2\n",
+        redis,
+    );
+    let d = &s.daemon;
+    let first = lease(&d.admit(call("acme", "bot", "t")));
+    let _second = lease(&d.admit(call("acme", "bot", "t")));
+    let refused = d.admit(call("acme", "bot", "t"));
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.body["scope"], "concurrency");
+    assert!(refused.body["retry_after_ms"].as_u64().unwrap() > 0);
+    assert_eq!(d.release(&first).status, 200);
+    assert_eq!(d.release(&first).status, 404, "released once only");
+    let third = lease(&d.admit(call("acme", "bot", "t")));
+    assert_eq!(d.admit(call("acme", "bot", "t")).status, 429);
+    // Neither of the two live leases is released: both expire at their TTL.
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(d.admit(call("acme", "bot", "t")).status, 200);
+    assert_eq!(d.release(&third).status, 404, "an expired lease is unknown");
+}
+
+/// A call allowed to wait for a concurrency slot is admitted when one frees.
+fn a_call_waits_for_a_slot_that_frees(redis: bool) {
+    let s = start("[limits.subject]\nconcurrency = 1\n", redis);
+    let d = &s.daemon;
+    let first = lease(&d.admit(call("acme", "bot", "t")));
+    std::thread::scope(|sc| {
+        let waiting = sc.spawn(|| {
+            d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "t", "max_wait_ms": 2000}))
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(d.release(&first).status, 200);
+        let a = waiting.join().unwrap();
+        assert_eq!(a.status, 200, "{}", a.body);
+        let waited = a.body["waited_ms"].as_u64().unwrap();
+        assert!(
+            (250..=900).contains(&waited),
+            "waited for the release: {waited}"
+        );
+    });
+}
+
+/// A daily quota refuses until the next UTC day.
+fn a_daily_quota_refuses_until_midnight(redis: bool) {
+    let s = start("[limits.subject]\ndaily_quota = 3\n", redis);
+    let d = &s.daemon;
+    for _ in 0..3 {
+        assert_eq!(d.admit(call("acme", "bot", "t")).status, 200);
+    }
+    let refused = d.admit(call("acme", "bot", "t"));
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.body["scope"], "daily_quota");
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let to_midnight_ms = (86_400 - secs % 86_400) * 1000;
+    let told = refused.body["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        told.abs_diff(to_midnight_ms) < 5_000,
+        "{told} vs {to_midnight_ms}"
+    );
+    let snap = snapshot(d, "acme");
+    let bot = snap["subjects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["subject"] == "bot")
+        .unwrap();
+    assert_eq!(bot["quota_used"], 3.0);
+}
+
+/// An upstream's 429 puts it in the penalty box until its Retry-After; AIMD cuts its budget.
+fn an_upstream_429_pauses_it_and_cuts_its_rate(redis: bool) {
+    let s = start(
+        "[tools.crm_read]\nupstream = \"crm\"\n[upstreams.crm]\nrate = \"10/s\"\nburst = 10\n",
+        redis,
+    );
+    let d = &s.daemon;
+    let l = lease(&d.admit(call("acme", "bot", "crm_read")));
+    let r = d.post(
+        "/v1/release",
+        json!({"lease_id": l, "outcome": "upstream_rate_limited", "retry_after": "2"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let refused = d.admit(call("acme", "bot", "crm_read"));
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["scope"], "upstream_penalty");
+    let wait = refused.body["retry_after_ms"].as_u64().unwrap();
+    assert!((1_500..=2_600).contains(&wait), "{wait}");
+    // Another tenant's budget for the same (not shared) upstream is its own.
+    assert_eq!(d.admit(call("globex", "bot", "crm_read")).status, 200);
+    let snap = snapshot(d, "acme");
+    let crm = snap["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["upstream"] == "crm")
+        .unwrap()
+        .clone();
+    assert_eq!(crm["multiplier"], 0.5, "{crm}");
+    assert_eq!(crm["effective_rate"], 5.0, "{crm}");
+    assert!(snap["penalties"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["upstream"] == "crm"));
+    std::thread::sleep(Duration::from_millis(2100));
+    assert_eq!(d.admit(call("acme", "bot", "crm_read")).status, 200);
+}
+
+/// Feedback outside a lease on a shared upstream pauses it for every tenant.
+fn feedback_on_a_shared_upstream_pauses_every_tenant(redis: bool) {
+    let s = start(
+        "[tools.pay]\nupstream = \"stripe\"\n[upstreams.stripe]\nrate = \"10/s\"\nburst = 10\nshared = true\n",
+        redis,
+    );
+    let d = &s.daemon;
+    let f = d.post(
+        "/v1/feedback",
+        json!({"tenant": "acme", "upstream": "stripe", "status": 429, "retry_after": "3"}),
+    );
+    assert_eq!(f.status, 202, "{}", f.body);
+    for tenant in ["acme", "globex"] {
+        let a = d.admit(call(tenant, "bot", "pay"));
+        assert_eq!(a.status, 429, "{tenant}: {}", a.body);
+        assert_eq!(a.body["scope"], "upstream_penalty");
+    }
+}
+
+/// Shadow mode admits what enforce mode would refuse, says so, and spends nothing for it.
+fn shadow_mode_admits_and_spends_nothing(redis: bool) {
+    let s = start(
+        "[server]\nmode = \"shadow\"\n[limits.subject]\nrate = \"1/h\"\nburst = 1\n",
+        redis,
+    );
+    let d = &s.daemon;
+    let first = d.admit(call("acme", "bot", "t"));
+    assert_eq!(first.status, 200);
+    assert!(first.body.get("would_shed").is_none() || first.body["would_shed"].is_null());
+    for _ in 0..2 {
+        let a = d.admit(call("acme", "bot", "t"));
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.body["mode"], "shadow");
+        assert_eq!(a.body["would_shed"]["scope"], "subject", "{}", a.body);
+        assert_eq!(d.release(&lease(&a)).status, 200, "a shadow lease releases");
+    }
+    assert_eq!(tokens(&snapshot(d, "acme"), "subject", "bot"), 0);
+}
+
+/// The lease of another tenant, or none, is unknown.
+fn unknown_leases_are_404(redis: bool) {
+    let s = start("", redis);
+    let d = &s.daemon;
+    let l = lease(&d.admit(call("acme", "bot", "t")));
+    assert_eq!(d.release(&l).status, 200);
+    let again = d.release(&l);
+    assert_eq!(again.status, 404);
+    assert_eq!(again.body["error"], "unknown_lease");
+    assert_eq!(d.release("0000000000000001616263").status, 404);
+    assert_eq!(d.get("/v1/tenants/nobody").status, 404);
+}
+
+macro_rules! both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(#[test] fn $scenario() { super::$scenario(false) })*
+        }
+        mod redis {
+            $(#[test] fn $scenario() { super::$scenario(true) })*
+        }
+    };
+}
+
+both_stores!(
+    buckets_refuse_past_the_burst,
+    a_refusal_refunds_earlier_layers,
+    a_call_is_held_for_a_token_due_within_its_wait,
+    a_held_caller_that_hangs_up_is_refunded,
+    an_oversized_call_is_refused_without_a_wait,
+    concurrency_slots_free_on_release_and_at_the_lease_ttl,
+    a_call_waits_for_a_slot_that_frees,
+    a_daily_quota_refuses_until_midnight,
+    an_upstream_429_pauses_it_and_cuts_its_rate,
+    feedback_on_a_shared_upstream_pauses_every_tenant,
+    shadow_mode_admits_and_spends_nothing,
+    unknown_leases_are_404,
+);
