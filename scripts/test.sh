@@ -12,6 +12,8 @@ command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v npm >/dev/null 2>&1 || need_apt+=(npm)
+# openssl makes the certificates of the store's TLS test (tests/replicas.rs).
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 # nginx for the edge check's auth_request test (tests/nginx_edge.rs); Debian keeps it in /usr/sbin.
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
 # redis-server (it brings redis-cli through redis-tools) for the shared store tests (tests/common/redis.rs).

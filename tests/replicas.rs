@@ -448,3 +448,121 @@ fn a_replica_shows_the_state_another_replica_spent() {
         .unwrap_or_else(|| panic!("{}", snap.body));
     assert_eq!(bot["tokens"], 15, "{bot}");
 }
+
+/// Makes a test CA and a certificate for 127.0.0.1 signed by it, in `dir`: (ca.pem, cert, key).
+fn tls_files(dir: &std::path::Path) -> (String, String, String) {
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl (installed with the system's TLS library) is needed for the TLS test");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    std::fs::write(p("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        &p("ca.key"),
+        "-out",
+        &p("ca.pem"),
+        "-days",
+        "2",
+        "-subj",
+        "/CN=admitd test CA",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        &p("srv.key"),
+        "-out",
+        &p("srv.csr"),
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        &p("srv.csr"),
+        "-CA",
+        &p("ca.pem"),
+        "-CAkey",
+        &p("ca.key"),
+        "-CAcreateserial",
+        "-out",
+        &p("srv.pem"),
+        "-days",
+        "2",
+        "-extfile",
+        &p("ext.cnf"),
+    ]);
+    (p("ca.pem"), p("srv.pem"), p("srv.key"))
+}
+
+#[test]
+fn rediss_verifies_the_server_and_a_password_in_the_url_is_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = tls_files(dir.path());
+    let tls_port = common::redis::free_port();
+    let port = tls_port.to_string();
+    let redis = RedisServer::start_with(&[
+        "--tls-port",
+        &port,
+        "--tls-cert-file",
+        &cert,
+        "--tls-key-file",
+        &key,
+        "--tls-ca-cert-file",
+        &ca,
+        "--tls-auth-clients",
+        "no",
+        "--requirepass",
+        "s3cret",
+    ]);
+    let url = format!("rediss://:s3cret@127.0.0.1:{tls_port}");
+    let config = format!(
+        "[limits.subject]\nburst = 2\nrate = \"1/h\"\n{}",
+        store(&url, false, "")
+    );
+    // Trusting the test CA: the store is used over TLS.
+    let d = Daemon::start_with_env(&config, &[("SSL_CERT_FILE", &ca)]);
+    let ready = d.get("/readyz");
+    assert_eq!(ready.status, 200, "{}", ready.body);
+    for _ in 0..2 {
+        assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    }
+    assert_eq!(d.admit(call("acme", "bot")).status, 429);
+    let keys = redis.cli(&["--scan", "--pattern", "admitd:*"]);
+    assert!(keys.contains("admitd:{t:acme}:b:s:bot"), "{keys}");
+    // Not trusting it: the store is refused, and /readyz says why.
+    let untrusted = Daemon::start_with_env(&config, &[("SSL_CERT_FILE", &cert)]);
+    let ready = untrusted.get("/readyz");
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    assert!(
+        ready.body["store"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("certificate"),
+        "{}",
+        ready.body
+    );
+    // A wrong password is refused too.
+    let wrong = format!(
+        "[limits.subject]\nburst = 2\n{}",
+        store(&format!("rediss://:nope@127.0.0.1:{tls_port}"), false, "")
+    );
+    let d = Daemon::start_with_env(&wrong, &[("SSL_CERT_FILE", &ca)]);
+    assert_eq!(d.get("/readyz").status, 503);
+}

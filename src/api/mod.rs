@@ -630,6 +630,11 @@ pub async fn reload(
     if new.overload.header_timeout != running.overload.header_timeout {
         restart.push("overload.header_timeout");
     }
+    // The store and its connections are made at start; `on_error` and `replicas` are read from the
+    // store's own copy too.
+    if new.store != running.store {
+        restart.push("store");
+    }
     global
         .send(Reconfigure(new))
         .await

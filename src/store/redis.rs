@@ -114,6 +114,11 @@ impl RedisStore {
     /// Starts the store's thread and connects. A Redis that is not reachable yet is not an error:
     /// the store starts down (admissions follow `on_error`) and connects when Redis answers.
     pub async fn start(cfg: &StoreConfig, telemetry: Telemetry) -> Result<Arc<Self>, String> {
+        if cfg.urls().iter().any(|u| u.starts_with("rediss://")) {
+            // TLS (`rediss://`) verifies the server against the system's roots (or the file named by
+            // SSL_CERT_FILE). Installing fails only when a provider is installed already: fine.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("admitd-store".into())

@@ -71,6 +71,11 @@ impl Daemon {
         Self::spawn_with(Some(config_file(config)), Some(max_fds), "info")
     }
 
+    /// Starts the daemon with this config text and these environment variables.
+    pub fn start_with_env(config: &str, env: &[(&str, &str)]) -> Daemon {
+        Self::spawn_env(Some(config_file(config)), None, "info", env)
+    }
+
     fn spawn(config: Option<tempfile::NamedTempFile>) -> Daemon {
         Self::spawn_with(config, None, "info")
     }
@@ -79,6 +84,15 @@ impl Daemon {
         config: Option<tempfile::NamedTempFile>,
         max_fds: Option<u32>,
         log_filter: &str,
+    ) -> Daemon {
+        Self::spawn_env(config, max_fds, log_filter, &[])
+    }
+
+    fn spawn_env(
+        config: Option<tempfile::NamedTempFile>,
+        max_fds: Option<u32>,
+        log_filter: &str,
+        env: &[(&str, &str)],
     ) -> Daemon {
         let mut cmd = match max_fds {
             // The shell lowers the limit and then becomes admitd (`exec`), so the child is admitd.
@@ -97,7 +111,8 @@ impl Daemon {
         }
         cmd.stdout(Stdio::null())
             .stderr(Stdio::piped())
-            .env("ADMITD_LOG", log_filter);
+            .env("ADMITD_LOG", log_filter)
+            .envs(env.iter().copied());
         let mut child = cmd.spawn().expect("spawn admitd");
         let stderr = child.stderr.take().expect("stderr");
         let log = Arc::new(Mutex::new(Vec::new()));
