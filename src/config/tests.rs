@@ -473,3 +473,29 @@ fn load_reports_missing_file() {
         "{e}"
     );
 }
+
+#[test]
+fn a_replicas_share_divides_every_limit_and_keeps_one_token_and_one_slot() {
+    let c = Config::parse(
+        "t.toml",
+        "[limits.subject]\nrate = \"120/min\"\nburst = 20\nconcurrency = 8\ndaily_quota = 1000\n\
+         [limits.tenant]\nburst = 1\nconcurrency = 1\n\
+         [plans.free.subject]\nrate = \"30/min\"\nburst = 5\n\
+         [tools.t]\nrate = \"3/s\"\nburst = 6\n[upstreams.u]\nrate = \"9/s\"\nburst = 9\n",
+    )
+    .unwrap();
+    let d = c.divided(3);
+    assert_eq!(d.limits.subject.bucket.rate.per_sec, 2.0 / 3.0);
+    assert_eq!(d.limits.subject.bucket.burst, 20.0 / 3.0);
+    assert_eq!(d.limits.subject.concurrency, Some(2));
+    assert_eq!(d.limits.subject.daily_quota, Some(1000.0 / 3.0));
+    // A burst of one and a single slot are kept: below them a replica could admit nothing.
+    assert_eq!(d.limits.tenant.bucket.burst, 1.0);
+    assert_eq!(d.limits.tenant.concurrency, Some(1));
+    let free = &d.plans["free"].subject;
+    assert_eq!(free.rate.unwrap().per_sec, 0.5 / 3.0);
+    assert_eq!(free.burst, Some(5.0 / 3.0));
+    assert_eq!(d.tools["t"].bucket.unwrap().rate.per_sec, 1.0);
+    assert_eq!(d.upstreams["u"].bucket.unwrap().burst, 3.0);
+    assert_eq!(c.divided(1), c);
+}

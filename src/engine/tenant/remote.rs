@@ -450,23 +450,6 @@ impl TenantEngine {
         }
     }
 
-    /// The refusal of a call that waited for a concurrency slot until its deadline without one
-    /// freeing: promised the slot the store expects to free first.
-    pub fn remote_concurrency_timeout(&mut self, call: &RemoteCall, wait_ns: u64) -> Decision {
-        let answer = RemoteAnswer::Refused {
-            scope: RemoteScope::Concurrency,
-            wait_us: wait_ns as f64 * US_PER_NS,
-            booked: false,
-            account_wide: call.slots.iter().all(|s| !s.subject),
-            layers: Vec::new(),
-            multiplier: 1.0,
-        };
-        match self.interpret_remote(call, answer) {
-            RemoteOutcome::Decided(d) => d,
-            RemoteOutcome::Busy(_) => unreachable!("a refusal is decided"),
-        }
-    }
-
     /// An admission made without the store (its `on_error = "fail_open"`): nothing is checked or
     /// spent, and the lease is this process's alone.
     pub fn admit_unchecked(&mut self, req: &AdmitRequest) -> Decision {
@@ -619,5 +602,227 @@ impl RemoteSnapshotPlan {
             penalties,
             upstreams,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::test_support::{call, harness, Req, MS, SEC};
+
+    const CONFIG: &str =
+        "[limits.subject]\nrate = \"2/s\"\nburst = 4\nconcurrency = 3\ndaily_quota = 100\n\
+        [limits.tenant]\nrate = \"10/s\"\nburst = 50\n\
+        [tools.crm_read]\nupstream = \"crm\"\nrate = \"1/s\"\nburst = 2\n\
+        [tools.pay]\nupstream = \"stripe\"\n\
+        [upstreams.crm]\nrate = \"5/s\"\nburst = 5\n\
+        [upstreams.stripe]\nrate = \"20/s\"\nburst = 20\nshared = true\n";
+
+    fn engine(toml: &str) -> TenantEngine {
+        let (_clock, cfg, shared) = harness(toml, 0);
+        TenantEngine::new(Arc::from("acme"), cfg, shared, 7)
+    }
+
+    fn plan(e: &mut TenantEngine, req: AdmitRequest) -> RemoteCall {
+        e.plan_remote(&req, SEC).expect("planned for the store")
+    }
+
+    #[test]
+    fn a_call_is_planned_as_every_layer_it_passes_named_by_state() {
+        let mut e = engine(CONFIG);
+        let c = plan(&mut e, call("bot", "crm_read").wait_ms(250));
+        let keys: Vec<&StateKey> = c.layers.iter().map(|l| &l.key).collect();
+        let s: Arc<str> = Arc::from("bot");
+        let crm: Arc<str> = Arc::from("crm");
+        assert_eq!(
+            keys,
+            [
+                &StateKey::SubjectBucket(s.clone()),
+                &StateKey::SubjectToolBucket(s.clone(), Arc::from("crm_read")),
+                &StateKey::TenantBucket,
+                &StateKey::UpstreamBucket(crm.clone()),
+                &StateKey::GlobalBucket(None),
+            ]
+        );
+        // Shapes in microseconds at the configured rate; the store applies the AIMD multiplier.
+        assert_eq!(c.layers[0].t_us, 500_000.0);
+        assert_eq!(c.layers[0].burst, 4.0);
+        assert_eq!(c.layers[3].t_us, 200_000.0);
+        assert_eq!(
+            c.layers[3].aimd,
+            Some(StateKey::UpstreamState(crm.clone(), false))
+        );
+        assert_eq!(c.layers[0].aimd, None);
+        assert_eq!(c.max_wait_us, 250_000.0);
+        // The penalty is promised the upstream bucket's slot after it (the 4th layer, 1-based).
+        assert_eq!(c.penalties.len(), 1);
+        assert_eq!(c.penalties[0].key, StateKey::Penalty(crm.clone(), false));
+        assert_eq!(c.penalties[0].layer, 4);
+        // Concurrency: the subject's cap and the tenant's (the default 32).
+        assert_eq!(c.slots.len(), 2);
+        assert_eq!((c.slots[0].cap, c.slots[0].subject), (3, true));
+        assert_eq!((c.slots[1].cap, c.slots[1].subject), (32, false));
+        assert_eq!(c.quotas.len(), 1);
+        assert_eq!(c.quotas[0].key, StateKey::SubjectQuota(s));
+        assert_eq!(c.upstreams[0].name, crm);
+        assert_eq!(c.upstreams[0].aimd, Some((0.5, 0.1, 0.05)));
+        assert!(!c.layers.iter().any(|l| l.key == StateKey::TenantQuota));
+    }
+
+    #[test]
+    fn the_tenants_leases_are_kept_even_without_a_cap() {
+        let mut e = engine("[limits.tenant]\nrate = \"10/s\"\n");
+        let mut cfg = (**e.config()).clone();
+        cfg.limits.tenant.concurrency = None;
+        e.set_config(Arc::new(cfg), SEC);
+        let c = plan(&mut e, call("bot", "search"));
+        let tenant = c
+            .slots
+            .iter()
+            .find(|s| !s.subject)
+            .expect("the tenant's leases");
+        assert_eq!(tenant.cap, u32::MAX);
+        assert_eq!(tenant.key, StateKey::TenantSlots);
+    }
+
+    #[test]
+    fn a_shared_upstream_and_the_global_bucket_are_cross_tenant_state() {
+        let mut e = engine(CONFIG);
+        let c = plan(&mut e, call("bot", "pay"));
+        let stripe = c
+            .layers
+            .iter()
+            .find(|l| l.key == StateKey::SharedUpstreamBucket(Arc::from("stripe")))
+            .expect("the shared budget");
+        assert!(stripe.key.cross_tenant());
+        assert_eq!(
+            stripe.aimd,
+            Some(StateKey::UpstreamState(Arc::from("stripe"), true))
+        );
+        assert!(c.penalties[0].key.cross_tenant());
+        assert!(c.upstreams[0].cross_tenant());
+        assert!(c.layers.last().unwrap().key.cross_tenant());
+        assert!(!c.layers[0].key.cross_tenant());
+    }
+
+    #[test]
+    fn an_oversized_call_is_decided_without_the_store() {
+        let mut e = engine(CONFIG);
+        let d = e
+            .plan_remote(&call("bot", "search").cost(10.0), SEC)
+            .expect_err("decided here");
+        match d.verdict {
+            Verdict::Shed(s) => {
+                assert_eq!(s.scope, Scope::Oversized);
+                assert!(!s.retryable);
+            }
+            v => panic!("{v:?}"),
+        }
+    }
+
+    #[test]
+    fn an_admission_reads_the_layers_the_store_reported() {
+        let mut e = engine(CONFIG);
+        let c = plan(&mut e, call("bot", "search"));
+        let answer = RemoteAnswer::Admitted {
+            hold_us: 1500.0,
+            layers: vec![(3, 500_000.0), (49, 100_000.0), (4999, 200.0)],
+        };
+        let RemoteOutcome::Decided(d) = e.interpret_remote(&c, answer) else {
+            panic!("decided")
+        };
+        let a = match &d.verdict {
+            Verdict::Admitted(a) => a,
+            v => panic!("{v:?}"),
+        };
+        assert_eq!(a.lease, c.lease);
+        assert_eq!(a.hold_ns, 1_500_000);
+        assert_eq!(d.layers.len(), 3);
+        assert_eq!(d.tightest().unwrap().layer, Layer::Subject);
+        assert_eq!(d.layers[0].remaining, 3);
+        assert_eq!(d.layers[0].reset_ns, 500 * MS);
+        assert_eq!(d.layers[0].window_secs, 2);
+    }
+
+    #[test]
+    fn a_refusal_names_its_layer_and_says_when_to_come_back() {
+        let mut e = engine(CONFIG);
+        let c = plan(&mut e, call("bot", "crm_read"));
+        let refused = |e: &mut TenantEngine, booked: bool, multiplier: f64| {
+            let answer = RemoteAnswer::Refused {
+                scope: RemoteScope::Layer(3),
+                wait_us: 2_400_000.0,
+                booked,
+                account_wide: false,
+                layers: vec![(0, 0.0); 5],
+                multiplier,
+            };
+            match e.interpret_remote(&c, answer) {
+                RemoteOutcome::Decided(Decision {
+                    verdict: Verdict::Shed(s),
+                    ..
+                }) => s,
+                o => panic!("{o:?}"),
+            }
+        };
+        let s = refused(&mut e, false, 1.0);
+        assert_eq!(s.scope, Scope::TenantUpstream);
+        // 2.4 s plus at most 5% of jitter, never into the next whole second.
+        assert!(
+            (2_400..=2_520).contains(&s.retry_after_ms),
+            "{}",
+            s.retry_after_ms
+        );
+        assert!(s.message.contains("Wait 3 seconds"), "{}", s.message);
+        assert!(s.message.contains("crm"), "{}", s.message);
+        assert!(!s.message.contains(refusal::LONG_WAIT));
+        let cut = refused(&mut e, false, 0.25);
+        assert!(cut.reason.contains("cut to 25%"), "{}", cut.reason);
+        let booked = refused(&mut e, true, 1.0);
+        assert!(
+            booked.message.ends_with(refusal::LONG_WAIT),
+            "{}",
+            booked.message
+        );
+        assert!(booked.retry_after_ms >= 2_400);
+    }
+
+    #[test]
+    fn shadow_mode_admits_what_the_store_refused_and_says_so() {
+        let mut e = engine("[server]\nmode = \"shadow\"\n");
+        let c = plan(&mut e, call("bot", "search"));
+        assert!(c.shadow);
+        let answer = RemoteAnswer::Refused {
+            scope: RemoteScope::Concurrency,
+            wait_us: 100_000.0,
+            booked: false,
+            account_wide: true,
+            layers: Vec::new(),
+            multiplier: 1.0,
+        };
+        let RemoteOutcome::Decided(d) = e.interpret_remote(&c, answer) else {
+            panic!("decided")
+        };
+        match d.verdict {
+            Verdict::Admitted(a) => {
+                assert_eq!(a.mode, Mode::Shadow);
+                assert_eq!(a.lease, c.lease);
+                let w = a.would_shed.expect("the refusal enforce mode gives");
+                assert_eq!(w.scope, Scope::Concurrency);
+            }
+            v => panic!("{v:?}"),
+        }
+        // Layers the store did not report read as full-empty placeholders, one per plan layer.
+        assert_eq!(d.layers.len(), 3);
+    }
+
+    #[test]
+    fn a_call_that_finds_no_slot_asks_again() {
+        let mut e = engine(CONFIG);
+        let c = plan(&mut e, call("bot", "search").wait_ms(500));
+        assert_eq!(
+            e.interpret_remote(&c, RemoteAnswer::Busy { wait_us: 80_000.0 }),
+            RemoteOutcome::Busy(80 * MS)
+        );
     }
 }
