@@ -117,6 +117,10 @@ impl RedisStore {
         if cfg.urls().iter().any(|u| u.starts_with("rediss://")) {
             // TLS (`rediss://`) verifies the server against the system's roots (or the file named by
             // SSL_CERT_FILE). Installing fails only when a provider is installed already: fine.
+            // ring is deprecated by rustls for lacking post-quantum key exchange; its alternative
+            // (aws-lc-rs) builds C with cmake, which the build would then need. A Redis link inside
+            // one network is what this protects.
+            #[allow(deprecated)]
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
         let (tx, rx) = std::sync::mpsc::channel();
