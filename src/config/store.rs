@@ -41,7 +41,7 @@ pub enum OnError {
     /// Refuse with a retry hint (503, `store_unavailable`).
     #[default]
     FailClosed,
-    /// Admit, counted (`admitd_store_fail_open_total`).
+    /// Admit, counted (`admitd_store_fallback_decisions_total{mode="fail_open"}`).
     FailOpen,
     /// Enforce every limit divided by `replicas` in this process until the store answers again.
     LocalFallback,
