@@ -434,8 +434,13 @@ impl RedisStore {
             call.slots
                 .iter()
                 .map(|c| {
+                    // The hint cursor of the scope, in the tenant's run-times hash.
+                    let cursor = match c.subject {
+                        true => format!("cs:{}", call.subject),
+                        false => "ct".to_string(),
+                    };
                     json!({"k": self.key(tenant, &c.key), "cap": c.cap, "sub": c.subject,
-                           "cursor": if c.subject { "cs" } else { "ct" }})
+                           "cursor": cursor})
                 })
                 .collect()
         } else {
