@@ -114,17 +114,30 @@ fn herd(
     runs: Duration,
     start: Instant,
 ) -> Herd {
+    herd_over(&Arc::new(vec![d.clone()]), n, body, runs, start)
+}
+
+/// [`herd`] over several replicas: caller `i`'s attempt `k` goes to replica `(i + k) % n`, and its
+/// release to the next one.
+fn herd_over(
+    fleet: &Arc<Vec<Arc<Daemon>>>,
+    n: usize,
+    body: impl Fn(usize) -> Value + Send + Sync + 'static,
+    runs: Duration,
+    start: Instant,
+) -> Herd {
     let barrier = Arc::new(Barrier::new(n));
     let body = Arc::new(body);
     let callers: Vec<_> = (0..n)
         .map(|i| {
-            let (d, barrier, body) = (d.clone(), barrier.clone(), body.clone());
+            let (fleet, barrier, body) = (fleet.clone(), barrier.clone(), body.clone());
             std::thread::spawn(move || {
                 let body = body(i);
                 barrier.wait();
                 let mut first_scope = None;
                 let mut first_retry_ok = None;
                 for attempt in 0..100 {
+                    let d = &fleet[(i + attempt) % fleet.len()];
                     let a = d.admit(body.clone());
                     if attempt == 1 {
                         first_retry_ok = Some(a.status == 200);
@@ -132,7 +145,7 @@ fn herd(
                     if a.status == 200 {
                         std::thread::sleep(runs);
                         let done = start.elapsed();
-                        let r = d.post(
+                        let r = fleet[(i + attempt + 1) % fleet.len()].post(
                             "/v1/release",
                             json!({"lease_id": a.body["lease_id"], "outcome": "ok",
                                    "duration_ms": runs.as_millis() as u64}),
@@ -439,4 +452,98 @@ fn a_call_allowed_to_wait_does_not_take_a_slot_promised_earlier() {
         after >= Duration::from_millis(promised + 400),
         "admitted after {after:?}, before the slot after the promise"
     );
+}
+
+/// Three replicas sharing one Redis.
+fn fleet(config: &str) -> (common::redis::RedisServer, Arc<Vec<Arc<Daemon>>>) {
+    let redis = common::redis::RedisServer::start();
+    let text = format!(
+        "{config}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"250ms\"\n",
+        redis.url()
+    );
+    let fleet = (0..3).map(|_| Arc::new(Daemon::start(&text))).collect();
+    (redis, Arc::new(fleet))
+}
+
+/// The promises are kept where the state is: callers spread over three replicas on one Redis,
+/// each coming back to another replica than the one that refused it, find their slots as on one.
+#[test]
+fn subject_bucket_hints_hold_across_replicas() {
+    let (_redis, fleet) = fleet(
+        "[limits.subject]\nrate = \"10/s\"\nburst = 20\nconcurrency = 1000\n\
+         [limits.tenant]\nrate = \"1000/s\"\nburst = 1000\nconcurrency = 1000\n",
+    );
+    let h = herd_over(
+        &fleet,
+        60,
+        |i| call("fan-out", i),
+        Duration::ZERO,
+        Instant::now(),
+    );
+    assert!(h.scopes.iter().all(|s| s == "subject"), "{:?}", h.scopes);
+    h.assert_targets("subject bucket, three replicas", Duration::from_secs(4));
+}
+
+#[test]
+fn tenant_upstream_hints_hold_across_replicas() {
+    let (_redis, fleet) = fleet(&format!(
+        "{OPEN}[upstreams.api]\nrate = \"5/s\"\nburst = 10\n[tools.query]\nupstream = \"api\"\n"
+    ));
+    let h = herd_over(
+        &fleet,
+        30,
+        |i| call(&format!("agent-{i}"), i),
+        Duration::ZERO,
+        Instant::now(),
+    );
+    assert!(
+        h.scopes.iter().all(|s| s == "tenant_upstream"),
+        "{:?}",
+        h.scopes
+    );
+    h.assert_targets("tenant_upstream, three replicas", Duration::from_secs(4));
+}
+
+#[test]
+fn concurrency_hints_hold_across_replicas() {
+    let (_redis, fleet) = fleet(
+        "[limits.subject]\nrate = \"1000/s\"\nburst = 1000\nconcurrency = 4\n\
+         [limits.tenant]\nrate = \"1000/s\"\nburst = 1000\nconcurrency = 1000\n",
+    );
+    let h = herd_over(
+        &fleet,
+        20,
+        |i| call("fan-out", i),
+        Duration::from_secs(1),
+        Instant::now(),
+    );
+    assert!(
+        h.scopes.iter().all(|s| s == "concurrency"),
+        "{:?}",
+        h.scopes
+    );
+    h.assert_targets("concurrency, three replicas", Duration::from_secs(5));
+}
+
+#[test]
+fn penalty_hints_promise_the_bucket_slot_after_the_penalty_across_replicas() {
+    let (_redis, fleet) = fleet(&format!(
+        "{OPEN}[upstreams.api]\nrate = \"5/s\"\nburst = 5\naimd_factor = 1.0\n[tools.query]\nupstream = \"api\"\n"
+    ));
+    report_429(&fleet[0], "2");
+    let start = Instant::now();
+    let h = herd_over(
+        &fleet,
+        20,
+        |i| call(&format!("agent-{i}"), i),
+        Duration::ZERO,
+        start,
+    );
+    assert!(
+        h.scopes.iter().all(|s| s == "upstream_penalty"),
+        "{:?}",
+        h.scopes
+    );
+    // 2 s of penalty, then 5 at once and 15 more at 5/s.
+    h.assert_targets("upstream_penalty, three replicas", Duration::from_secs(5));
 }

@@ -254,9 +254,9 @@ if op == 'decide' then
         return {'busy', fmt(earliest - now)}
       end
       -- Refused callers are told one slot each, a run's share of a slot apart (the rate at which
-      -- slots free), a little after the expected end: the release travels over the network too.
+      -- slots free), each a margin after the end it waits for: the release travels too.
       local margin = math.min(math.max(run * 0.05, 20e3), 250e3)
-      local step = math.max(run / c.cap, 1e3)
+      local step = math.max((run + margin) / c.cap, 1e3)
       local wait = stagger(spec.rt.k, c.cursor, earliest + margin, step, HORIZON) - now
       return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
     end

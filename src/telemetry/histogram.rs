@@ -238,6 +238,7 @@ impl Default for Histograms {
         };
         // Present (at zero) from the start, like the daemon-wide counters.
         h.decision.series(&[]);
+        h.store.series(&[]);
         h
     }
 }

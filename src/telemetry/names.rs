@@ -100,7 +100,7 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(BUILD_INFO, Gauge, None, "Always 1, labelled with the admitd version."),
         help(EDGE_CHECKS, Counter, COUNT, "Answers of GET /v1/edge/check, by result."),
         help(OVERLOAD, Counter, COUNT, "Admissions refused with a 503 before being decided, by reason."),
-        help(STORE_MODE, Gauge, None, "1 for the way admissions are decided now (memory, shared, or the on_error mode while the store is unreachable), 0 for the others."),
+        help(STORE_MODE, Gauge, None, "1 for how admissions are decided now: memory, shared, or the on_error mode while the store is down."),
         help(STORE_ERRORS, Counter, COUNT, "Calls to the shared store that failed, by kind (timeout, connection, script)."),
         help(STORE_REQUEST, Histogram, SECONDS, "Round trips to the shared store, one per call of its script."),
         help(STORE_FALLBACK, Counter, COUNT, "Admissions decided without the shared store while it was unreachable, by on_error mode."),

@@ -101,12 +101,26 @@ impl TenantEngine {
         wait_ns: u64,
         account_wide: bool,
     ) -> Shed {
+        self.shed_jittered(r, upstream, scope, wait_ns, account_wide, true)
+    }
+
+    /// [`Self::shed_by`], with the jitter left out when `jitter` is false: for a hint that is
+    /// already one caller's own slot, where a later arrival would push every slot after it.
+    pub(super) fn shed_jittered(
+        &mut self,
+        r: &Resolved,
+        upstream: Option<&str>,
+        scope: Scope,
+        wait_ns: u64,
+        account_wide: bool,
+        jitter: bool,
+    ) -> Shed {
         // A little jitter (up to 5% of the wait, at most 100 ms) keeps callers told the same moment from
         // arriving in the same millisecond; it only ever adds, so nobody is told to come back early.
         // A daily quota resets at one fixed instant for everyone: no jitter there.
         // It never crosses into the next whole second, so the wait in the text and the Retry-After
         // header stays what the limiter (or the upstream) said.
-        let jitter = if scope == Scope::DailyQuota {
+        let jitter = if scope == Scope::DailyQuota || !jitter {
             0
         } else {
             let to_next_second = wait_ns.div_ceil(NS_PER_SEC) * NS_PER_SEC - wait_ns;
@@ -193,12 +207,15 @@ impl TenantEngine {
             .slot_promise(r, now, now, true)
             .unwrap_or((now.saturating_add(slots::DEFAULT_RUN_NS), false));
         let upstream = r.upstream.clone();
-        self.shed_by(
+        // The slot is this caller's own, after the ones promised before it: no jitter, which
+        // would make it late for the call promised the slot after it.
+        self.shed_jittered(
             r,
             upstream.as_deref(),
             Scope::Concurrency,
             at - now,
             !subject_binds,
+            false,
         )
     }
 

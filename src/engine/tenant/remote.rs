@@ -420,7 +420,11 @@ impl TenantEngine {
                 if booked {
                     wait = self.spread_booked(wait);
                 }
-                let mut shed = self.shed_by(&r, upstream.as_deref(), scope, wait, account_wide);
+                // The store gives each caller refused for a slot a time of its own, one after the
+                // other as slots free: jitter would make a caller late for the next one's slot.
+                let jitter = scope != Scope::Concurrency;
+                let mut shed =
+                    self.shed_jittered(&r, upstream.as_deref(), scope, wait, account_wide, jitter);
                 if booked {
                     shed.message.push_str(refusal::LONG_WAIT);
                 }
