@@ -566,3 +566,100 @@ fn rediss_verifies_the_server_and_a_password_in_the_url_is_used() {
     let d = Daemon::start_with_env(&wrong, &[("SSL_CERT_FILE", &ca)]);
     assert_eq!(d.get("/readyz").status, 503);
 }
+
+#[test]
+fn a_flushed_script_is_loaded_again() {
+    let redis = RedisServer::start();
+    let d = Daemon::start(&format!("{LOOP_LIMITS}{}", store(&redis.url(), false, "")));
+    assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    let before = redis.cli(&["INFO", "commandstats"]);
+    assert!(
+        before.contains("cmdstat_evalsha"),
+        "called by its SHA: {before}"
+    );
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    // The next call meets NOSCRIPT, loads the script and is decided all the same.
+    let a = d.admit(call("acme", "bot"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.body["remaining"], 18);
+    assert_eq!(d.get("/readyz").status, 200);
+}
+
+#[test]
+fn in_a_cluster_a_refusal_by_cross_tenant_state_gives_back_the_tenants_part() {
+    let cluster = RedisCluster::start(3);
+    let urls = cluster.seed_urls().join(",");
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 10\n[limits.global]\nrate = \"1/h\"\nburst = 3\n{}",
+        store(&urls, true, "")
+    ));
+    for _ in 0..3 {
+        assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    }
+    let refused = d.admit(call("acme", "bot"));
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["scope"], "global");
+    // The subject's bucket (on the tenant's shard) holds the token the refused call took there.
+    let snap = d.get("/v1/tenants/acme");
+    let bot = snap.body["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["layer"] == "subject" && b["key"] == "bot")
+        .cloned()
+        .unwrap_or_else(|| panic!("{}", snap.body));
+    assert_eq!(bot["tokens"], 7, "{bot}");
+    assert_eq!(
+        snap.body["inflight"], 3,
+        "the refused call holds no lease: {}",
+        snap.body
+    );
+}
+
+#[test]
+fn redis_stopped_under_load_and_started_again_leaves_nothing_stuck() {
+    let mut redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nconcurrency = 4\n{}",
+        store(&redis.url(), false, "on_error = \"fail_closed\"")
+    ));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let answers = std::sync::Mutex::new(std::collections::BTreeMap::<u16, u64>::new());
+    std::thread::scope(|s| {
+        for w in 0..4 {
+            let (d, stop, answers) = (&d, &stop, &answers);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let a = d.admit(call("acme", &format!("agent-{w}")));
+                    *answers.lock().unwrap().entry(a.status).or_default() += 1;
+                    if a.status == 200 {
+                        std::thread::sleep(Duration::from_millis(5));
+                        // A release may meet the outage too: then the lease runs out at its TTL.
+                        let _ = d.release(a.body["lease_id"].as_str().unwrap());
+                    }
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        redis.stop();
+        std::thread::sleep(Duration::from_millis(700));
+        redis.restart();
+        assert!(common::eventually(Duration::from_secs(5), || d
+            .get("/readyz")
+            .status
+            == 200));
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let answers = answers.into_inner().unwrap();
+    println!("answers by status while Redis stopped and started: {answers:?}");
+    assert!(answers.get(&200).copied().unwrap_or(0) > 10, "{answers:?}");
+    assert!(answers.get(&503).copied().unwrap_or(0) > 0, "{answers:?}");
+    assert!(
+        answers.keys().all(|s| [200, 429, 503].contains(s)),
+        "{answers:?}"
+    );
+    // Everything admitted after the restart was released: nothing is in flight.
+    assert_eq!(inflight(&d, "acme"), 0);
+    assert!(!d.log_lines().iter().any(|l| l.contains("panicked")));
+}
