@@ -22,8 +22,8 @@ use super::tenant::{truly_admitted, Admit, AdmitReply, TenantActor};
 use crate::clock::{Nanos, NS_PER_MS};
 use crate::config::OnError;
 use crate::engine::{
-    AdmitRequest, AdmitResult, Decision, ReleaseInfo, Released, RemoteCall, RemoteOutcome,
-    TenantEngine, TenantSnapshot, UnknownLease, Verdict,
+    Decision, ReleaseInfo, Released, RemoteCall, RemoteOutcome, TenantEngine, TenantSnapshot,
+    UnknownLease, Verdict,
 };
 use crate::store::{RedisStore, Refund, StoreMode};
 use crate::telemetry::names;
@@ -182,7 +182,7 @@ impl TenantActor {
                 self.answer(msg.reply, d);
             }
             StoreMode::LocalFallback => {
-                let reply = self.decide_local(&msg.req, now, wall, ctx);
+                let reply = self.decide_here(&msg.req, now, wall, ctx);
                 if let Err(AdmitReply::Decided(d, _)) = msg.reply.send(reply) {
                     match truly_admitted(&d) {
                         true => self.calls.admitted -= 1,
@@ -195,25 +195,6 @@ impl TenantActor {
             _ => {
                 let _ = msg.reply.send(AdmitReply::StoreDown);
             }
-        }
-    }
-
-    /// The in-memory decision (the fallback engine's), as a memory-mode actor makes it.
-    fn decide_local(
-        &mut self,
-        req: &AdmitRequest,
-        now: Nanos,
-        wall: i64,
-        ctx: &mut Context<Self>,
-    ) -> AdmitReply {
-        let result = self.engine.admit(req, now, wall);
-        self.flush();
-        match result {
-            AdmitResult::Decided(d) => {
-                self.count(truly_admitted(&d));
-                AdmitReply::Decided(d, self.engine.tenant().clone())
-            }
-            AdmitResult::Queued { waiter, deadline } => self.queue(waiter, deadline, now, ctx),
         }
     }
 

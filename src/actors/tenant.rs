@@ -359,6 +359,17 @@ impl TenantActor {
         if now.saturating_sub(sent) > super::ASK_TIMEOUT.as_nanos() as u64 {
             return AdmitReply::Late;
         }
+        self.decide_here(req, now, wall, ctx)
+    }
+
+    /// The in-memory decision: the engine's answer, or a place in its queue for a slot.
+    pub(super) fn decide_here(
+        &mut self,
+        req: &AdmitRequest,
+        now: Nanos,
+        wall: i64,
+        ctx: &mut Context<Self>,
+    ) -> AdmitReply {
         let result = self.engine.admit(req, now, wall);
         // Queued calls that got the slots of leases this admission expired.
         self.flush();
