@@ -55,10 +55,10 @@ fn a_tool_that_can_never_fit_is_a_warning() {
     );
 }
 
-/// `[store]` keys are checked like every other key; a Redis store, which this version does not have,
-/// is refused rather than silently replaced by per-process limits.
+/// `[store]` keys are checked like every other key, a Redis store's included, and a Redis store
+/// needs its URL.
 #[test]
-fn store_keys_are_checked_and_a_redis_store_is_refused() {
+fn store_keys_are_checked() {
     let (code, out, err) =
         check("[store]\nkind = \"memory\"\ntimeout = \"20ms\"\non_error = \"fail_open\"\n");
     assert_eq!(code, 0, "{out}{err}");
@@ -67,10 +67,19 @@ fn store_keys_are_checked_and_a_redis_store_is_refused() {
     assert_eq!(code, 1);
     assert!(err.starts_with("admitd.toml:3: store.on_error"), "{err}");
 
-    let (code, _, err) = check("[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n");
+    // `check` reads the file only: a Redis that does not answer is not its business.
+    let (code, out, err) = check(
+        "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1\"\non_error = \"local_fallback\"\nreplicas = 3\n",
+    );
+    assert_eq!(code, 0, "{out}{err}");
+
+    let (code, _, err) = check("[store]\nkind = \"redis\"\n");
     assert_eq!(code, 1);
     assert!(
-        err.starts_with("admitd.toml:2: store.kind = \"redis\" is not available"),
+        err.starts_with("admitd.toml:2: store.kind = \"redis\" needs store.url"),
         "{err}"
     );
+    let (code, _, err) = check("[store]\nkind = \"redis\"\nurl = \"http://127.0.0.1:6379\"\n");
+    assert_eq!(code, 1);
+    assert!(err.starts_with("admitd.toml:3: store.url"), "{err}");
 }
