@@ -11,7 +11,8 @@
 #   FLOODS="64 512" DURATION=10 scripts/bench_flood.sh
 #
 # Environment: DURATION [10] s per run; FLOODS ["64 512"] flood connection counts; SERVER_CPU [0],
-# CLIENT_CPU [1]; PORT [19480]; OUT [target/bench-flood]; SKIP_BUILD=1 to use what is built.
+# CLIENT_CPU [1]; PORT [19480]; OUT [target/bench-flood]; SKIP_BUILD=1 to use what is built;
+# TENANT_IN_DECISION [8]: `[overload] tenant_in_decision` (0 turns the per-worker tenant gate off).
 # Output: a Markdown table on stdout and in $OUT/results.md, the runs' JSON lines in $OUT/runs.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ FLOODS=${FLOODS:-"64 512"}
 SERVER_CPU=${SERVER_CPU:-0}
 CLIENT_CPU=${CLIENT_CPU:-1}
 PORT=${PORT:-19480}
+TENANT_IN_DECISION=${TENANT_IN_DECISION:-8}
 OUT=${OUT:-target/bench-flood}
 for tool in taskset curl jq; do
     command -v "$tool" >/dev/null || { echo "bench_flood.sh: $tool is required" >&2; exit 1; }
@@ -36,7 +38,9 @@ LOADGEN=$(ls -t target/release/deps/loadgen-* 2>/dev/null | grep -v '\.d$' | hea
 
 config=$(mktemp)
 trap 'kill "$admitd" 2>/dev/null || true; rm -f "$config"' EXIT
-cat >"$config" <<'EOF'
+cat >"$config" <<EOF
+[overload]
+tenant_in_decision = $TENANT_IN_DECISION
 [server]
 max_wait = "100ms"
 [limits.subject]

@@ -113,10 +113,24 @@ pub async fn admit(
     let max_wait_ns = req.max_wait_ns;
     // Kept for a second asking (see `wait_for_promise`) only when the call may wait.
     let again = (max_wait_ns > 0 && !shadow).then(|| req.clone());
+    // A place among the tenant's calls being decided on this worker (see `gate`), kept until the
+    // tenant's actor answers.
+    let (places, mailbox) = {
+        let bounds = &shared.config.load().overload;
+        (bounds.tenant_in_decision, bounds.mailbox)
+    };
+    let place = match places {
+        0 => None,
+        n => match super::gate::enter(tenant, n, mailbox).await {
+            Some(place) => Some(place),
+            None => return Ok(overload::refused(Overload::Mailbox)),
+        },
+    };
     let mut reply = match shared.admit(tenant, req, started).await {
         Err(AskError::Overloaded) => return Ok(overload::refused(Overload::Mailbox)),
         r => r?,
     };
+    drop(place);
     // Counts this call among the held ones while it waits, within `[overload] max_held`.
     let mut held = None;
     if let Some(again) = again {

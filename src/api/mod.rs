@@ -11,6 +11,7 @@ pub mod auth;
 pub mod body;
 pub mod edge;
 pub mod error;
+pub mod gate;
 pub mod inflight;
 pub mod lease;
 pub mod names;

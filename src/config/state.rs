@@ -41,6 +41,9 @@ pub struct OverloadConfig {
     /// A connection that has not sent a request's complete headers this long after it began the
     /// request (or after it opened) is closed.
     pub header_timeout: Duration,
+    /// A tenant's admissions being decided at once on one worker; its further calls wait their
+    /// turn outside the worker's run queue (`api::gate`). 0: no gate.
+    pub tenant_in_decision: usize,
 }
 
 impl Default for OverloadConfig {
@@ -49,6 +52,7 @@ impl Default for OverloadConfig {
             mailbox: 1024,
             max_held: 10_000,
             header_timeout: Duration::from_secs(10),
+            tenant_in_decision: 8,
         }
     }
 }
@@ -66,6 +70,7 @@ pub(super) struct RawOverload {
     mailbox: Option<S<i64>>,
     max_held: Option<S<i64>>,
     header_timeout: Option<S<String>>,
+    tenant_in_decision: Option<S<i64>>,
 }
 
 impl Validator<'_> {
@@ -100,6 +105,10 @@ impl Validator<'_> {
         }
         if let Some(v) = o.max_held {
             out.max_held = self.count("overload.max_held", &v, 0, 10_000_000)? as usize;
+        }
+        if let Some(v) = o.tenant_in_decision {
+            out.tenant_in_decision =
+                self.count("overload.tenant_in_decision", &v, 0, 100_000)? as usize;
         }
         if let Some(v) = o.header_timeout {
             out.header_timeout =
@@ -163,7 +172,7 @@ mod tests {
     fn overload_bounds_are_read() {
         let c = Config::parse(
             "cfg.toml",
-            "[overload]\nmailbox = 64\nmax_held = 5\nheader_timeout = \"2s\"\n",
+            "[overload]\nmailbox = 64\nmax_held = 5\nheader_timeout = \"2s\"\ntenant_in_decision = 0\n",
         )
         .unwrap();
         assert_eq!(
@@ -171,7 +180,8 @@ mod tests {
             OverloadConfig {
                 mailbox: 64,
                 max_held: 5,
-                header_timeout: Duration::from_secs(2)
+                header_timeout: Duration::from_secs(2),
+                tenant_in_decision: 0,
             }
         );
         assert_eq!(Config::default().overload, OverloadConfig::default());
