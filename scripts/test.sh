@@ -68,6 +68,10 @@ venv=target/clients-venv
 ADMITD_REQUIRE_SDKS=1 ADMITD_BIN=target/debug/admitd timeout 300 \
   "$venv/bin/python" -W error::ResourceWarning -m unittest discover -s clients/python/tests -p 'test_*.py'
 
+echo "== hostile input: Schemathesis from docs/openapi.yaml against the daemon built above"
+# Pinned in scripts/schemathesis-requirements.txt, in its own venv; 50 cases per operation.
+ADMITD_BIN=target/debug/admitd bash scripts/schemathesis.sh
+
 echo "== script helpers (the profile's phase classifier, the layer check)"
 python3 -m unittest discover -s scripts -p 'test_*.py'
 
