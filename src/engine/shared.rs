@@ -6,6 +6,12 @@
 //! and the global layer would become the bottleneck it exists to protect against. The global actor owns
 //! their lifecycle (it rebuilds the map and rescales the buckets on reload); the hot path only reads the
 //! map through an `ArcSwap` and updates buckets with compare-and-swap.
+//!
+//! A shared upstream's penalty box is one, but not every tenant sits in it for as long. While the
+//! upstream is contended, a 429 pauses each tenant in proportion to how far past its fair share it
+//! is ([`SharedUpstream::pause_until`]): a loop far past its share waits out nearly all of the
+//! Retry-After, a tenant within its share not at all. While it is not contended every caller is over
+//! what the upstream takes, and every one waits it all out.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -14,11 +20,11 @@ use arc_swap::ArcSwap;
 
 use parking_lot::Mutex;
 
-use super::adaptive::{self, SreWindow};
+use super::adaptive::{self, Ceiling, SreWindow};
 use super::bucket::{AtomicBucket, Gcra};
 use super::durable::{valid_multiplier, Instants, UpstreamDurable};
 use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
-use crate::config::Config;
+use crate::config::{Aimd, Config};
 
 /// Looked up per admission by upstream and tenant name (shares), so with a fast hasher.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
@@ -43,6 +49,19 @@ pub struct Share {
     /// The tenant wants more than its share (max-min fairness capped it). A tenant that wants less
     /// gets all it wants and is not limited beyond the shared budget itself.
     pub bottlenecked: bool,
+    /// What the tenant asked for, calls (cost units) per second.
+    pub demand: f64,
+}
+
+impl Share {
+    /// The part of the tenant's demand past its share, 0 to 1 (0 within its share): how much of a
+    /// penalty it waits out.
+    pub fn excess(&self) -> f64 {
+        if !self.bottlenecked || self.demand <= 0.0 {
+            return 0.0;
+        }
+        ((self.demand - self.rate) / self.demand).clamp(0.0, 1.0)
+    }
 }
 
 /// One shared upstream's state.
@@ -51,6 +70,11 @@ pub struct SharedUpstream {
     pub bucket: AtomicBucket,
     /// Monotonic instant until which the upstream is in the penalty box (0: not penalised).
     penalty_until: AtomicU64,
+    /// When the 429 that set `penalty_until` arrived: a tenant's pause is its part of the span.
+    penalty_from: AtomicU64,
+    /// The fair shares when that 429 arrived: a tenant's part of the penalty is fixed then, so the
+    /// retry hint it is given holds however the shares move meanwhile.
+    penalty_shares: ArcSwap<HashMap<Arc<str>, Share>>,
     /// The last retry slot handed to a call its penalty box or adaptive throttle refused (see
     /// [`super::bucket::stagger`]).
     pub retry_stagger: AtomicU64,
@@ -58,6 +82,9 @@ pub struct SharedUpstream {
     multiplier: AtomicU64,
     /// When the last 429 arrived.
     last_429: AtomicU64,
+    /// The ceiling the 429s taught, and what the upstream served since; every change of the
+    /// multiplier is made under this lock, so a cut and a recovery never interleave.
+    learned: Mutex<Ceiling>,
     sre: Mutex<SreWindow>,
     fair: Mutex<FairBoard>,
     /// Each tenant's fair share, while the upstream is contended (empty otherwise).
@@ -69,9 +96,12 @@ impl Default for SharedUpstream {
         SharedUpstream {
             bucket: AtomicBucket::default(),
             penalty_until: AtomicU64::new(0),
+            penalty_from: AtomicU64::new(0),
+            penalty_shares: ArcSwap::from_pointee(HashMap::default()),
             retry_stagger: AtomicU64::new(0),
             multiplier: AtomicU64::new(1.0f64.to_bits()),
             last_429: AtomicU64::new(0),
+            learned: Mutex::new(Ceiling::default()),
             sre: Mutex::new(SreWindow::default()),
             fair: Mutex::new(FairBoard::default()),
             shares: ArcSwap::from_pointee(HashMap::default()),
@@ -93,16 +123,47 @@ impl SharedUpstream {
         self.last_429.fetch_max(now, Ordering::AcqRel);
     }
 
-    /// Applies `f` to the multiplier; returns (old, new).
-    pub fn update_multiplier(&self, f: impl Fn(f64) -> f64) -> (f64, f64) {
-        let old = self
-            .multiplier
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
-                Some(f(f64::from_bits(b)).to_bits())
-            })
-            .map(f64::from_bits)
-            .unwrap_or(1.0);
-        (old, f(old))
+    /// Applies `f` to the multiplier and what was learned, under the lock; returns (old, new).
+    fn move_multiplier(&self, f: impl FnOnce(f64, &mut Ceiling) -> f64) -> (f64, f64) {
+        let mut learned = self.learned.lock();
+        let old = self.multiplier();
+        let new = f(old, &mut learned);
+        self.multiplier.store(new.to_bits(), Ordering::Release);
+        (old, new)
+    }
+
+    /// A 429 that opens a new penalty episode: learns the ceiling from what the upstream served (a
+    /// budget configured at `configured` per second) and cuts the multiplier below it. Returns (old,
+    /// new) multiplier. A 429 during a running penalty answers a call sent before it started, and
+    /// tells nothing new: the caller does not cut again for it.
+    pub fn aimd_refused(&self, configured: f64, a: &Aimd, now: Nanos) -> (f64, f64) {
+        self.move_multiplier(|m, learned| learned.refused(m, configured, a, now))
+    }
+
+    /// A healthy answer worth `units` of the budget: counted as served, and the multiplier wins back
+    /// towards the settle point below the ceiling (see [`Ceiling::recovered`]). Returns (old, new).
+    pub fn aimd_served(&self, units: f64, a: &Aimd, now: Nanos) -> (f64, f64) {
+        self.move_multiplier(|m, learned| {
+            learned.served.record(now, units);
+            if m < 1.0 {
+                learned.recovered(m, a, now)
+            } else {
+                m
+            }
+        })
+    }
+
+    /// No 429 for the adaptive window: the cut and the ceiling are forgotten. Returns (old, new).
+    pub fn forget_cut(&self) -> (f64, f64) {
+        self.move_multiplier(|_, learned| {
+            learned.forget();
+            1.0
+        })
+    }
+
+    /// The ceiling learned from the 429s, as a multiplier of the configured rate (1: none).
+    pub fn ceiling(&self) -> f64 {
+        self.learned.lock().ceiling
     }
 
     pub fn sre_record(&self, now: Nanos, window_ns: u64, accepted: bool) {
@@ -169,6 +230,7 @@ impl SharedUpstream {
                         Share {
                             rate,
                             bottlenecked: claim.0 > rate * (1.0 + 1e-9),
+                            demand: claim.0,
                         },
                     )
                 })
@@ -181,9 +243,34 @@ impl SharedUpstream {
         self.penalty_until.load(Ordering::Acquire)
     }
 
-    /// Extends the penalty to `until` (a shorter penalty never shortens a longer one).
-    pub fn penalise(&self, until: Nanos) {
-        self.penalty_until.fetch_max(until, Ordering::AcqRel);
+    /// Extends the penalty to `until`, for a 429 that arrived at `now` (a shorter penalty never
+    /// shortens a longer one).
+    pub fn penalise(&self, now: Nanos, until: Nanos) {
+        if self.penalty_until.fetch_max(until, Ordering::AcqRel) < until {
+            self.penalty_from.store(now.min(until), Ordering::Release);
+            self.penalty_shares.store(self.shares.load_full());
+        }
+    }
+
+    /// Until when `tenant` is paused by the penalty, from the shares when the 429 that set it
+    /// arrived. Contended, a tenant waits out its part of the penalty past its share
+    /// ([`Share::excess`]): one within its share, or one that asked for too little to be counted
+    /// yet, goes on. Not contended, the tenants together asked for no more than the budget and still
+    /// got a 429: each is over what the upstream takes, and waits it all out.
+    pub fn pause_until(&self, tenant: &str) -> Nanos {
+        let until = self.penalty_until();
+        if until == 0 {
+            return 0;
+        }
+        let shares = self.penalty_shares.load();
+        if shares.is_empty() {
+            return until;
+        }
+        let Some(share) = shares.get(tenant) else {
+            return 0;
+        };
+        let from = self.penalty_from.load(Ordering::Acquire).min(until);
+        from + ((until - from) as f64 * share.excess()).round() as u64
     }
 }
 
@@ -309,7 +396,7 @@ impl SharedBudgets {
                 continue;
             };
             if let Some(until) = at.penalty(k.penalty_until_ms) {
-                u.penalise(until);
+                u.penalise(at.now, until);
             }
             if let Some(m) = valid_multiplier(k.multiplier) {
                 u.multiplier.store(m.to_bits(), Ordering::Release);

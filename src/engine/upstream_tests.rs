@@ -1,7 +1,9 @@
 //! Fake-clock tests of the upstream-aware layer: AIMD repricing on 429s, SRE adaptive throttling,
 //! amplification (one call spending several upstreams, all or nothing), budgets sized from a published
 //! limit, the max-min fair share of a contended shared upstream, cheap refusal of held and queued calls
-//! when their upstream starts a penalty, and the retry guidance these refusals give.
+//! when their upstream starts a penalty, the retry guidance these refusals give, and a loop on a shared
+//! upstream sized above what it takes (a penalty in proportion to a tenant's excess over its share, a
+//! rate that settles below a learned ceiling).
 //!
 //! Like `tests.rs`, every test builds its config from TOML text, engines over one [`SharedBudgets`] and a
 //! [`FakeClock`] that moves only when told, so the numbers are exact. Two numbers are statistical by
@@ -15,7 +17,7 @@ use std::time::Duration;
 use super::tenant::{TenantSnapshot, UpstreamSnapshot};
 use super::test_support::*;
 use super::*;
-use crate::clock::FakeClock;
+use crate::clock::{ceil_ms, FakeClock, Nanos};
 use crate::config::Config;
 
 /// Limits so high that only the upstream layers under test can refuse a call.
@@ -1324,4 +1326,330 @@ fn a_loop_ignoring_its_hints_does_not_inflate_other_tenants_hints() {
         "told to wait {} ms for a token at most 50 ms away",
         s.retry_after_ms
     );
+}
+
+// ---- 8. a loop on a shared upstream whose budget is above what the upstream takes ------------------
+
+/// The fair share config with a budget three times what the upstream really takes (20/s), and no
+/// adaptive throttle (its refusals are random; these tests follow the penalty and the AIMD rate).
+const LOOP_CFG: &str = r#"
+[tools.call]
+upstream = "api"
+
+[upstreams.api]
+rate = "60/s"
+burst = 10
+shared = true
+adaptive_k = 0
+"#;
+
+/// Lets a loop and a light tenant run on the FAIR_CFG upstream for 3 s, so both have reported their
+/// demand. Returns the lease of a loop call still in flight.
+fn loop_beside_a_light_tenant(
+    sim: &Sim,
+    looper: &mut TenantEngine,
+    light: &mut TenantEngine,
+) -> u64 {
+    let t0 = sim.now();
+    let mut in_flight = None;
+    for tick in 0..300u64 {
+        sim.advance_to(t0 + tick * 10 * MS);
+        if let Verdict::Admitted(a) = &sim.decide(looper, &call("agent", "call")).verdict {
+            if let Some(l) = in_flight.replace(a.lease) {
+                sim.release(looper, l, &ok());
+            }
+        }
+        if tick % 50 == 0 {
+            let d = sim.decide(light, &call("agent", "call").wait_ms(2000));
+            sim.release(light, admitted(&d).lease, &ok());
+        }
+    }
+    in_flight.expect("the loop has a call in flight")
+}
+
+#[test]
+fn a_tenant_within_its_share_is_not_paused_by_the_penalty_a_loop_provoked() {
+    let sim = Sim::new(&roomy(FAIR_CFG));
+    let mut looper = sim.engine("loop");
+    let mut light = sim.engine("light");
+    let lease = loop_beside_a_light_tenant(&sim, &mut looper, &mut light);
+    let api = sim.shared.upstream("api").unwrap();
+    let (mine, its) = (
+        api.share_of("light").unwrap(),
+        api.share_of("loop").unwrap(),
+    );
+    assert!(!mine.bottlenecked && its.bottlenecked, "{mine:?} {its:?}");
+    assert_eq!(mine.excess(), 0.0);
+    // The loop asks for 100 calls/s and its share is 18/s: 82% of what it asks for is past its share.
+    assert!((0.8..0.85).contains(&its.excess()), "{its:?}");
+
+    // The loop's call in flight comes back 429 with Retry-After: 1.
+    let t = sim.now();
+    sim.release(&mut looper, lease, &r429(Some(Duration::from_secs(1))));
+    let pause = (its.excess() * SEC as f64).round() as u64;
+
+    // The loop waits out its part of the second...
+    let s = shed(&sim.decide(&mut looper, &call("agent", "call"))).clone();
+    assert_eq!(s.scope, Scope::UpstreamPenalty, "{s:?}");
+    assert!(s.retry_after_ms >= ceil_ms(pause), "{s:?}, pause {pause}");
+    // ...while the light tenant's calls go on: admitted, and not taken back when a hold ends.
+    let d = sim.decide(&mut light, &call("agent", "call").wait_ms(2000));
+    let a = admitted(&d).clone();
+    sim.advance_ms(a.hold_ns / MS + 1);
+    assert_eq!(light.confirm_hold(a.lease, sim.now(), sim.wall()), Ok(None));
+    sim.release(&mut light, a.lease, &ok());
+
+    // Its pause is fixed when the 429 arrived, however the shares move meanwhile.
+    sim.advance_to(t + pause - MS);
+    let s = shed(&sim.decide(&mut looper, &call("agent", "call"))).clone();
+    assert_eq!(s.scope, Scope::UpstreamPenalty);
+    // (Meanwhile the 429 cut the budget and the loop's share with it, which would lengthen it.)
+    assert!(api.share_of("loop").unwrap().excess() > its.excess());
+    sim.advance_to(t + pause);
+    if let Verdict::Shed(s) = &sim.decide(&mut looper, &call("agent", "call")).verdict {
+        assert_ne!(s.scope, Scope::UpstreamPenalty, "{s:?}");
+    }
+}
+
+#[test]
+fn with_no_tenant_past_its_share_a_shared_penalty_pauses_every_tenant_for_all_of_it() {
+    // Two light tenants, 2 calls/s each of a 20/s budget: not contended, no shares. A 429 then says
+    // the upstream takes less than they send together: both are over, both wait it all out.
+    let sim = Sim::new(&roomy(FAIR_CFG));
+    let mut a = sim.engine("acme");
+    let mut b = sim.engine("globex");
+    let t0 = sim.now();
+    let mut last = None;
+    for tick in 0..6u64 {
+        sim.advance_to(t0 + tick * 500 * MS);
+        for e in [&mut a, &mut b] {
+            let l = sim.lease(e, &call("agent", "call"));
+            sim.release(e, l, &ok());
+        }
+        last = Some(sim.lease(&mut a, &call("agent", "call")));
+    }
+    assert_eq!(sim.upstream(&a, "api").fair_share, None, "not contended");
+    let t = sim.now();
+    sim.release(&mut a, last.unwrap(), &r429(Some(Duration::from_secs(2))));
+    for e in [&mut a, &mut b] {
+        assert_shed(
+            &sim.decide(e, &call("agent", "call")),
+            Scope::UpstreamPenalty,
+            2 * SEC,
+        );
+    }
+    sim.advance_to(t + 2 * SEC);
+    for e in [&mut a, &mut b] {
+        sim.lease(e, &call("agent", "call"));
+    }
+}
+
+#[test]
+fn a_429_during_a_running_penalty_does_not_cut_the_shared_rate_again() {
+    let sim = Sim::new(&roomy(LOOP_CFG));
+    let mut e = sim.engine("acme");
+    let leases: Vec<u64> = (0..3)
+        .map(|_| sim.lease(&mut e, &call("a", "call")))
+        .collect();
+    // Three calls were in flight when the upstream started refusing: one cut, not three.
+    for l in leases {
+        sim.release(&mut e, l, &r429(Some(Duration::from_secs(1))));
+    }
+    assert_eq!(sim.upstream(&e, "api").multiplier, 0.5);
+    // Once the penalty is over, a new 429 is news: the rate is cut again.
+    sim.advance_ms(1000);
+    let l = sim.lease(&mut e, &call("a", "call"));
+    sim.release(&mut e, l, &r429(Some(Duration::from_secs(1))));
+    assert_eq!(sim.upstream(&e, "api").multiplier, 0.25);
+}
+
+#[test]
+fn the_shared_rate_learns_its_ceiling_from_what_was_served_and_settles_below_it() {
+    let sim = Sim::new(&roomy(LOOP_CFG));
+    let mut e = sim.engine("acme");
+    let api = sim.shared.upstream("api").unwrap();
+    // The upstream serves 20 calls/s for 3 s, then refuses one.
+    for _ in 0..60 {
+        let l = sim.lease(&mut e, &call("a", "call"));
+        sim.release(&mut e, l, &ok());
+        sim.advance_ms(50);
+    }
+    let l = sim.lease(&mut e, &call("a", "call"));
+    sim.release(&mut e, l, &r429(Some(Duration::ZERO)));
+    // Ceiling 20/60, and the rate goes straight to 10% below it, not to half of 60/s.
+    assert!(
+        (api.ceiling() - 1.0 / 3.0).abs() < 1e-9,
+        "{}",
+        api.ceiling()
+    );
+    let u = sim.upstream(&e, "api");
+    assert_close(u.multiplier, 0.3, "settle point");
+    assert_close(u.effective_rate.unwrap(), 18.0, "effective rate");
+    // Healthy answers at the settle point only probe: 0.5% of the ceiling (0.1/s) per second.
+    for _ in 0..100 {
+        sim.advance_ms(100);
+        let l = sim.lease(&mut e, &call("a", "call"));
+        sim.release(&mut e, l, &ok());
+    }
+    assert_close(
+        sim.upstream(&e, "api").effective_rate.unwrap(),
+        18.0 + 10.0 * 0.1,
+        "after 10 s of probing",
+    );
+    // Two minutes without a 429: the ceiling is forgotten with the cut.
+    sim.advance_ms(121_000);
+    let l = sim.lease(&mut e, &call("a", "call"));
+    sim.release(&mut e, l, &ok());
+    assert_eq!(sim.upstream(&e, "api").multiplier, 1.0);
+    assert_eq!(api.ceiling(), 1.0);
+}
+
+/// The upstream's own limit on the fake clock: a token bucket.
+struct RealLimit {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    at: Nanos,
+}
+
+impl RealLimit {
+    fn new(rate: f64, burst: f64, now: Nanos) -> Self {
+        RealLimit {
+            rate,
+            burst,
+            tokens: burst,
+            at: now,
+        }
+    }
+
+    /// Whether the upstream serves a call at `now` (else it answers 429).
+    fn serves(&mut self, now: Nanos) -> bool {
+        let refill = (now - self.at) as f64 / SEC as f64 * self.rate;
+        self.tokens = (self.tokens + refill).min(self.burst);
+        self.at = now;
+        let ok = self.tokens >= 1.0;
+        if ok {
+            self.tokens -= 1.0;
+        }
+        ok
+    }
+}
+
+/// What happens next to a call in flight, on the fake clock.
+enum Next {
+    /// A held call's hold ends: checked, then sent to the upstream.
+    HoldEnds { lease: u64 },
+    /// The upstream answered; the MCP server releases the lease.
+    Answered { lease: u64, served: bool },
+}
+
+#[test]
+fn a_loop_on_a_shared_upstream_sized_too_high_leaves_light_tenants_their_calls() {
+    // The upstream takes 20/s (burst 10); admitd is told 60/s. The loop keeps four calls in flight
+    // and tries again every 5 ms; two light tenants call 3 times a second each, and wait up to 2 s.
+    // Every upstream call takes 20 ms. 60 s, judged from 20 s on.
+    const TICK: u64 = 5 * MS;
+    const LATENCY: u64 = 20 * MS;
+    let sim = Sim::new(&roomy(LOOP_CFG));
+    let mut engines = [sim.engine("loop"), sim.engine("acme"), sim.engine("globex")];
+    let mut upstream = RealLimit::new(20.0, 10.0, sim.now());
+    let t0 = sim.now();
+    let judged = t0 + 20 * SEC;
+    let mut events: Vec<(Nanos, usize, Next)> = Vec::new();
+    let mut loop_in_flight = 0;
+    let (mut served, mut bounced) = (0u64, 0u64);
+    let (mut light_calls, mut light_served) = (0u64, 0u64);
+    let mut loop_paused = 0u64;
+    for tick in 0..(60 * SEC / TICK) {
+        let now = t0 + tick * TICK;
+        sim.advance_to(now);
+        // What is due, in time order.
+        events.sort_by_key(|e| std::cmp::Reverse(e.0));
+        while events.last().is_some_and(|e| e.0 <= now) {
+            let (_, who, next) = events.pop().unwrap();
+            let e = &mut engines[who];
+            match next {
+                Next::HoldEnds { lease } => {
+                    if e.confirm_hold(lease, now, sim.wall()).unwrap().is_some() {
+                        continue; // shed at the end of its hold: a light call lost
+                    }
+                    let ok = upstream.serves(now);
+                    let (s, b) = (u64::from(ok), u64::from(!ok));
+                    if now >= judged {
+                        (served, bounced) = (served + s, bounced + b);
+                        light_served += s;
+                    }
+                    let lease = Next::Answered { lease, served: ok };
+                    events.push((now + LATENCY, who, lease));
+                }
+                Next::Answered { lease, served } => {
+                    let info = if served {
+                        ok()
+                    } else {
+                        r429(Some(Duration::from_secs(1)))
+                    };
+                    sim.release(e, lease, &info);
+                    if who == 0 {
+                        loop_in_flight -= 1;
+                    }
+                }
+            }
+        }
+        if loop_in_flight < 4 {
+            match &sim.decide(&mut engines[0], &call("bot", "call")).verdict {
+                Verdict::Admitted(a) => {
+                    let ok = upstream.serves(now);
+                    if now >= judged {
+                        (served, bounced) = (served + u64::from(ok), bounced + u64::from(!ok));
+                    }
+                    loop_in_flight += 1;
+                    events.push((
+                        now + LATENCY,
+                        0,
+                        Next::Answered {
+                            lease: a.lease,
+                            served: ok,
+                        },
+                    ));
+                }
+                Verdict::Shed(s) => {
+                    if s.scope == Scope::UpstreamPenalty && now >= judged {
+                        loop_paused += 1;
+                    }
+                }
+            }
+        }
+        for who in [1, 2] {
+            // every 335 ms (67 ticks), globex half a period behind acme
+            if tick % 67 != (who as u64 - 1) * 33 {
+                continue;
+            }
+            let d = sim.decide(&mut engines[who], &call("agent", "call").wait_ms(2000));
+            if now >= judged {
+                light_calls += 1;
+            }
+            if let Verdict::Admitted(a) = &d.verdict {
+                events.push((now + a.hold_ns, who, Next::HoldEnds { lease: a.lease }));
+            }
+        }
+    }
+    let secs = 40.0;
+    let (light_share, bounced_share, served_share) = (
+        light_served as f64 / light_calls as f64,
+        bounced as f64 / secs / 20.0,
+        served as f64 / secs / 20.0,
+    );
+    let u = sim.upstream(&engines[0], "api");
+    eprintln!(
+        "light tenants kept {light_served} of {light_calls} calls; the upstream served {served} \
+         and answered 429 to {bounced} (429s {:.1}% of its limit, served {:.1}% of it); the loop \
+         was refused by the penalty {loop_paused} times; multiplier {:.3}, ceiling {:.3}",
+        bounced_share * 100.0,
+        served_share * 100.0,
+        u.multiplier,
+        sim.shared.upstream("api").unwrap().ceiling()
+    );
+    assert!(light_share >= 0.99, "light tenants kept {light_share}");
+    assert!(bounced_share <= 0.02, "429s: {bounced_share} of the limit");
+    assert!(served_share >= 0.85, "served {served_share} of the limit");
 }

@@ -31,6 +31,9 @@ pub(super) struct UpstreamState {
     pub(super) demand_since: Nanos,
     /// The last measured demand, calls (cost units) per second.
     pub(super) demand_rate: f64,
+    /// Budget tokens per call to this (shared) upstream, averaged over recent calls: an answer the
+    /// upstream served counts this much towards what it takes (see [`crate::engine::adaptive::Ceiling`]).
+    pub(super) tokens_per_call: f64,
     /// This tenant's promise cursor on the shared bucket (see [`crate::engine::bucket::AtomicBucket`]).
     pub(super) shared_promised: Nanos,
 }
@@ -48,6 +51,7 @@ impl Default for UpstreamState {
             demand: 0,
             demand_since: 0,
             demand_rate: 0.0,
+            tokens_per_call: 1.0,
             shared_promised: 0,
         }
     }
@@ -87,7 +91,7 @@ impl TenantEngine {
             if cfg.shared {
                 if let (Some(s), Some(spec)) = (self.shared.upstream(up), spec) {
                     if s.multiplier() < 1.0 && now.saturating_sub(s.last_429()) > forget {
-                        let (old, new) = s.update_multiplier(|_| 1.0);
+                        let (old, new) = s.forget_cut();
                         s.bucket
                             .rescale(now, &scaled(spec, old), &scaled(spec, new));
                     }
@@ -121,6 +125,7 @@ impl TenantEngine {
             let weight = self.policy.weight;
             let tokens = (r.cost * units).max(1e-9);
             let u = self.upstream_mut(up);
+            u.tokens_per_call = 0.9 * u.tokens_per_call + 0.1 * tokens;
             if u.demand == 0 {
                 u.demand_since = now;
             }
@@ -147,10 +152,12 @@ impl TenantEngine {
         }
     }
 
+    /// Until when this tenant's calls to `upstream` are paused. A shared upstream's penalty pauses
+    /// each tenant by as much as it is past its fair share (see [`SharedUpstream::pause_until`]).
     pub(super) fn penalty_until(&self, upstream: &str) -> Nanos {
         if self.is_shared_upstream(Some(upstream)) {
             if let Some(s) = self.shared.upstream(upstream) {
-                return s.penalty_until();
+                return s.pause_until(&self.tenant);
             }
         }
         self.upstreams.get(upstream).map_or(0, |u| u.penalty_until)
@@ -275,6 +282,9 @@ impl TenantEngine {
 
     /// A 429 from `upstream`: penalty until its Retry-After, a multiplicative cut of its budget, a
     /// rejected request for the adaptive throttle, and an immediate refusal of the calls queued for it.
+    /// A shared upstream's cut also learns its ceiling, once per penalty: a 429 that arrives while
+    /// the penalty an earlier one started still runs answers a call sent before that one, and cuts
+    /// nothing more.
     pub(super) fn upstream_rate_limited(&mut self, upstream: &Arc<str>, d: Duration, now: Nanos) {
         let until = now.saturating_add(d.as_nanos() as u64);
         let cfg = self.policy.upstream(upstream).cloned();
@@ -282,8 +292,9 @@ impl TenantEngine {
             .as_ref()
             .filter(|c| c.shared)
             .and_then(|_| self.shared.upstream(upstream));
+        let new_episode = shared.as_ref().is_none_or(|s| s.penalty_until() <= now);
         match &shared {
-            Some(s) => s.penalise(until),
+            Some(s) => s.penalise(now, until),
             None => {
                 let u = self.upstream_mut(upstream);
                 u.penalty_until = u.penalty_until.max(until);
@@ -294,9 +305,11 @@ impl TenantEngine {
                 match &shared {
                     Some(s) => {
                         s.note_429(now);
-                        let (old, new) = s.update_multiplier(|m| aimd_cut(m, &cfg.aimd));
-                        s.bucket
-                            .rescale(now, &scaled(spec, old), &scaled(spec, new));
+                        if new_episode {
+                            let (old, new) = s.aimd_refused(spec.rate.per_sec, &cfg.aimd, now);
+                            s.bucket
+                                .rescale(now, &scaled(spec, old), &scaled(spec, new));
+                        }
                     }
                     None => {
                         let u = self.upstream_mut(upstream);
@@ -380,8 +393,13 @@ impl TenantEngine {
         };
         match &shared {
             Some(s) => {
-                if s.multiplier() < 1.0 {
-                    let (old, new) = s.update_multiplier(|m| aimd_recover(m, &cfg.aimd));
+                // A healthy answer is a call the upstream served: it counts towards its ceiling.
+                let units = self
+                    .upstreams
+                    .get(upstream)
+                    .map_or(1.0, |u| u.tokens_per_call);
+                let (old, new) = s.aimd_served(units, &cfg.aimd, now);
+                if new != old {
                     s.bucket
                         .rescale(now, &scaled(spec, old), &scaled(spec, new));
                 }
