@@ -366,7 +366,6 @@ fn the_examples_of_the_spec_go_through_admit_release_and_the_snapshot() {
 /// neither does the spec's `type: integer`, but admitd refuses a status code written with a
 /// fraction with 400 ("invalid type: floating point `429.0`, expected i64").
 #[test]
-#[ignore = "known defect: a status code written as 429.0 is refused with 400"]
 fn status_codes_written_as_integral_floats_are_status_codes() {
     let d = Daemon::start_default();
     let f = d.post(

@@ -212,6 +212,32 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .filter(|s| !s.is_empty())
 }
 
+/// Why a header is not there: absent, or present with bytes that are not visible ASCII.
+fn absent(h: &HeaderMap, name: &str, shown: &str) -> String {
+    match h.get(name) {
+        Some(v) if v.to_str().is_err() => format!("{shown} is not visible ASCII"),
+        _ => format!("{shown} is missing"),
+    }
+}
+
+/// An MCP revision: `YYYY-MM-DD` with a month from 01 to 12 and a day from 01 to 31.
+fn is_revision(v: &str) -> bool {
+    let b = v.as_bytes();
+    let digits = |r: std::ops::Range<usize>| b[r].iter().all(u8::is_ascii_digit);
+    if b.len() != 10
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || !digits(0..4)
+        || !digits(5..7)
+        || !digits(8..10)
+    {
+        return false;
+    }
+    let month: u8 = v[5..7].parse().unwrap_or(0);
+    let day: u8 = v[8..10].parse().unwrap_or(0);
+    (1..=12).contains(&month) && (1..=31).contains(&day)
+}
+
 fn bad_request(message: String) -> Response {
     counted("bad_request");
     ApiError::invalid(message).into_response()
@@ -249,11 +275,17 @@ pub async fn check(app: &Arc<App>, method: &Method, headers: Option<Box<HeaderMa
     let min = &edge.min_protocol_version;
     match header(&h, "mcp-protocol-version") {
         None => {
+            let why = absent(&h, "mcp-protocol-version", "MCP-Protocol-Version");
             return bad_request(format!(
-                "MCP-Protocol-Version is missing; the edge check needs MCP revision {min} or later, whose servers check the Mcp-Method and Mcp-Name headers against the body"
+                "{why}; the edge check needs MCP revision {min} or later, whose servers check the Mcp-Method and Mcp-Name headers against the body"
+            ));
+        }
+        Some(v) if !is_revision(v) => {
+            return bad_request(format!(
+                "MCP-Protocol-Version {v:?} is not an MCP revision (YYYY-MM-DD, such as {min})"
             ))
         }
-        Some(v) if v.len() != min.len() || v < min.as_str() => {
+        Some(v) if v < min.as_str() => {
             return bad_request(format!(
                 "MCP-Protocol-Version {v:?} is older than {min}, the first revision whose servers check the Mcp-Method and Mcp-Name headers against the body; the gateway cannot limit on those headers before it"
             ))
@@ -289,15 +321,17 @@ pub async fn check(app: &Arc<App>, method: &Method, headers: Option<Box<HeaderMa
         // message, so no method to mirror.
         None if ["GET", "HEAD", "DELETE"].contains(&original) => "",
         None => {
-            return bad_request(
-                "Mcp-Method is missing: a request that carries an MCP message names its method in the Mcp-Method header".to_string(),
-            )
+            let why = absent(&h, "mcp-method", "Mcp-Method");
+            return bad_request(format!(
+                "{why}: a request that carries an MCP message names its method in the Mcp-Method header"
+            ));
         }
     };
     let mut r = if edge.budget_methods.iter().any(|m| m == mcp_method) {
         let Some(tool) = header(&h, "mcp-name") else {
+            let why = absent(&h, "mcp-name", "Mcp-Name");
             return bad_request(format!(
-                "Mcp-Name is missing: a {mcp_method} request names its tool in the Mcp-Name header"
+                "{why}: a {mcp_method} request names its tool in the Mcp-Name header"
             ));
         };
         if let Err(e) = name_field("Mcp-Name", tool) {
@@ -405,6 +439,40 @@ async fn admit_at_edge(
         counted("shed");
     }
     Ok(response)
+}
+
+#[cfg(test)]
+mod revision_tests {
+    use super::*;
+
+    #[test]
+    fn a_revision_is_a_date_shape() {
+        for ok in ["2026-07-28", "2025-03-26", "9999-12-31"] {
+            assert!(is_revision(ok), "{ok}");
+        }
+        for bad in [
+            "zzzzzzzzzz",
+            "9999-99-99",
+            "2026-13-01",
+            "2026-07-32",
+            "2026-7-28",
+            "2026/07/28",
+            "",
+        ] {
+            assert!(!is_revision(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_header_that_is_not_text_is_not_called_missing() {
+        let mut h = HeaderMap::new();
+        assert_eq!(absent(&h, "mcp-name", "Mcp-Name"), "Mcp-Name is missing");
+        h.insert("mcp-name", HeaderValue::from_bytes(b"\xff\xfe").unwrap());
+        assert_eq!(
+            absent(&h, "mcp-name", "Mcp-Name"),
+            "Mcp-Name is not visible ASCII"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -364,8 +364,9 @@ impl RetryAfterValue {
     }
 }
 
-fn status_field(field: &str, status: i64) -> Result<u16, ApiError> {
-    if (100..=599).contains(&status) {
+/// An HTTP status code from a JSON number: `429` and `429.0` are the same number in JSON.
+fn status_field(field: &str, status: f64) -> Result<u16, ApiError> {
+    if (100.0..=599.0).contains(&status) && status.fract() == 0.0 {
         Ok(status as u16)
     } else {
         Err(ApiError::invalid(format!(
@@ -385,7 +386,7 @@ struct ReleaseBody<'a> {
     #[serde(borrow)]
     outcome: Cow<'a, str>,
     #[serde(default)]
-    upstream_status: Option<i64>,
+    upstream_status: Option<f64>,
     #[serde(default)]
     retry_after: Option<RetryAfterValue>,
     #[serde(default)]
@@ -467,7 +468,7 @@ async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiErr
 struct FeedbackBody {
     tenant: String,
     upstream: String,
-    status: i64,
+    status: f64,
     #[serde(default)]
     retry_after: Option<RetryAfterValue>,
 }
@@ -668,9 +669,11 @@ mod tests {
 
     #[test]
     fn status_codes_are_checked() {
-        assert_eq!(status_field("s", 429).unwrap(), 429);
-        assert!(status_field("s", 600).is_err());
-        assert!(status_field("s", -1).is_err());
+        assert_eq!(status_field("s", 429.0).unwrap(), 429);
+        assert!(status_field("s", 600.0).is_err());
+        assert!(status_field("s", -1.0).is_err());
+        // A fraction is no status code; NaN and infinities never reach here (JSON has none).
+        assert!(status_field("s", 429.5).is_err());
     }
 }
 
