@@ -166,7 +166,8 @@ run_schemathesis() {
   shift
   echo "== schemathesis: $name"
   # From the output directory, where Schemathesis keeps its cache of failures.
-  (cd "$out" && SCHEMATHESIS_HOOKS="$root/scripts/schemathesis_hooks.py" timeout "$budget" \
+  (cd "$out" && SCHEMATHESIS_HOOKS="$root/scripts/schemathesis_hooks.py" ADMITD_ST_SPEC="$spec" \
+    timeout "$budget" \
     "$root/$venv/bin/schemathesis" --config-file "$work/schemathesis.toml" run "$spec" \
     --url "http://$addr" \
     --checks all \

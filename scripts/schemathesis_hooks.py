@@ -7,13 +7,19 @@ as valid is one admitd must accept:
   characters, which is looser outside ASCII).
 - ``http-date``: an RFC 9110 HTTP-date in any of its three forms, for a real calendar date
   (a pattern would also take 31 Feb or a weekday that does not match the date).
+
+And one filter: a generated body whose strings JSON would change on the way is not sent.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
+import re
 
 import schemathesis
+import jsonschema_rs
+import yaml
 from hypothesis import strategies as st
 
 # Cc (control characters) and Cs (surrogates, which UTF-8 cannot encode) are never in a name.
@@ -64,5 +70,79 @@ HTTP_DATES = st.one_of(
     _times(1970, 9999).map(asctime),
 )
 
+# A high surrogate right before a low one: JSON writes them as two escapes that every JSON reader
+# (admitd's too) reads as one valid character.
+SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+@schemathesis.hook
+def filter_body(context, body) -> bool:
+    """Drop a generated body that is not what goes on the wire.
+
+    Hypothesis can generate a string with surrogates in it, invalid for a name; where a high one
+    comes right before a low one, the body arrives holding one valid character instead, and
+    admitd is right to accept it. Such a case tests nothing, so it is not sent. Lone surrogates
+    reach admitd as they are and are still sent (admitd answers them 400).
+    """
+    return not any(SURROGATE_PAIR.search(s) for s in _strings(body))
+
+
 schemathesis.openapi.format("admitd-name", NAMES)
 schemathesis.openapi.format("http-date", HTTP_DATES)
+
+
+def _is_name(value: object) -> bool:
+    return isinstance(value, str) and 1 <= len(value.encode("utf-8", "surrogatepass")) <= 128
+
+
+def _load_spec() -> dict:
+    with open(os.environ["ADMITD_ST_SPEC"], encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+SPEC = _load_spec()
+_VALIDATORS: dict[tuple[str, str], object] = {}
+
+
+def _body_validator(path: str, method: str):
+    key = (path, method)
+    if key not in _VALIDATORS:
+        operation = SPEC["paths"].get(path, {}).get(method, {})
+        content = operation.get("requestBody", {}).get("content", {})
+        schema = content.get("application/json", {}).get("schema")
+        _VALIDATORS[key] = (
+            None
+            if schema is None
+            else jsonschema_rs.validator_for(
+                # The components travel with the schema, so that its `$ref`s resolve.
+                {**schema, "components": SPEC["components"]},
+                formats={"admitd-name": _is_name},
+                validate_formats=True,
+            )
+        )
+    return _VALIDATORS[key]
+
+
+@schemathesis.hook
+def filter_failure(context, failure, case, response) -> bool:
+    if failure.code != "ST201" or case.meta is None:
+        return True
+    negative = [
+        location for location, info in case.meta.components.items() if info.mode.is_negative
+    ]
+    if [location.name for location in negative] != ["BODY"]:
+        return True
+    validator = _body_validator(case.path, case.method.lower())
+    return validator is None or not validator.is_valid(case.body)
