@@ -14,7 +14,8 @@
 //! memory already freed. What it bought: admit-only at 64 connections over 1 000 tenants, prefetching
 //! the tenant actor's state and its next lease slot took 10.10 → 9.60, 10.41 → 9.69 and 10.78 →
 //! 10.27 µs of CPU per request in three sets of alternating rounds (`scripts/bench.sh`;
-//! docs/BENCHMARKS.md, "Choices we made and why"). This is one of the two `unsafe` blocks in admitd.
+//! docs/BENCHMARKS.md, "Choices we made and why"). Its `unsafe` block is listed with the others in
+//! docs/architecture.md.
 
 /// Asks the CPU to start loading the cache line at `p` (a hint: nothing is read, any address is fine).
 #[inline]

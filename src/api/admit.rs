@@ -17,6 +17,7 @@ use warp::reply::Response;
 use super::error::ApiError;
 use super::inflight::Held;
 use super::overload::{self, Overload};
+use super::policy_cache::PolicyCache;
 use super::{body, json, lease, name_field, App};
 use crate::actors::{AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Layers, Shared};
 use crate::clock::{ceil_ms, ceil_secs};
@@ -488,7 +489,7 @@ fn sf_integer(n: u64) -> u64 {
 }
 
 /// The whole part of a burst (bursts are positive: truncation is `floor`, without a call into libm).
-fn whole(burst: f64) -> u64 {
+pub(super) fn whole(burst: f64) -> u64 {
     burst as u64
 }
 
@@ -529,51 +530,6 @@ pub fn policy_header(layers: &[LayerState]) -> String {
         s.push_str(n.format(sf_integer(l.window_secs)));
     }
     s
-}
-
-thread_local! {
-    /// `RateLimit-Policy` values by layer shape. A deployment has few distinct shapes (one per plan,
-    /// tool bucket and upstream combination), and formatting the header on every answer cost more than
-    /// the admission decision itself (`scripts/profile.sh`; docs/BENCHMARKS.md). It assumes a shape
-    /// (each layer's name, whole burst and refill seconds) determines the header exactly, which
-    /// [`policy_header`] guarantees, and at most [`POLICY_CACHE`] shapes per worker (past that it
-    /// starts over: a cost, never a wrong header).
-    static POLICIES: std::cell::RefCell<Vec<(Shape, HeaderValue)>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// A policy's shape: (name, q, w) per layer.
-type Shape = Vec<(std::borrow::Cow<'static, str>, u64, u64)>;
-
-/// Shapes remembered per worker; past this the cache starts over.
-const POLICY_CACHE: usize = 256;
-
-fn cached_policy_header(layers: &[LayerState]) -> Option<HeaderValue> {
-    if layers.is_empty() {
-        return None;
-    }
-    let same = |shape: &Shape| {
-        shape.len() == layers.len()
-            && shape
-                .iter()
-                .zip(layers)
-                .all(|((n, q, w), l)| *n == l.name && *q == whole(l.burst) && *w == l.window_secs)
-    };
-    POLICIES.with(|cache| {
-        let mut cache = cache.borrow_mut();
-        if let Some((_, v)) = cache.iter().find(|(shape, _)| same(shape)) {
-            return Some(v.clone());
-        }
-        let v = HeaderValue::from_str(&policy_header(layers)).ok()?;
-        if cache.len() >= POLICY_CACHE {
-            cache.clear();
-        }
-        let shape = layers
-            .iter()
-            .map(|l| (l.name.clone(), whole(l.burst), l.window_secs))
-            .collect();
-        cache.push((shape, v.clone()));
-        Some(v)
-    })
 }
 
 /// `RateLimit`: the tightest layer, `"name";r=<whole tokens left>;t=<seconds until full>`.
@@ -723,7 +679,7 @@ pub(super) fn answer(
 
 /// `RateLimit-Policy` (every layer) and `RateLimit` (the tightest), when any layer applied.
 fn ratelimit_headers(h: &mut HeaderMap, layers: &[LayerState]) {
-    if let Some(v) = cached_policy_header(layers) {
+    if let Some(v) = PolicyCache::header(layers) {
         h.insert(&RATELIMIT_POLICY, v);
     }
     if let Some(t) = tightest(layers) {
@@ -735,12 +691,18 @@ fn ratelimit_headers(h: &mut HeaderMap, layers: &[LayerState]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::clock::NS_PER_SEC;
     use crate::engine::{Layer, Scope};
 
-    fn layer(layer: Layer, burst: f64, w: u64, remaining: u64, reset_ns: u64) -> LayerState {
+    pub(in crate::api) fn layer(
+        layer: Layer,
+        burst: f64,
+        w: u64,
+        remaining: u64,
+        reset_ns: u64,
+    ) -> LayerState {
         LayerState {
             layer,
             name: layer.as_str().into(),
@@ -801,30 +763,6 @@ mod tests {
             ratelimit_header(&huge[0]),
             "\"subject\";r=999999999999999;t=18446744074"
         );
-    }
-
-    #[test]
-    fn the_policy_header_cache_answers_what_formatting_would() {
-        let a = [
-            layer(Layer::Subject, 20.0, 10, 19, 0),
-            layer(Layer::Tenant, 50.0, 5, 49, 0),
-        ];
-        let b = [
-            layer(Layer::Subject, 5.0, 10, 4, 0),
-            layer(Layer::Tenant, 50.0, 5, 49, 0),
-        ];
-        for _ in 0..3 {
-            assert_eq!(
-                cached_policy_header(&a).unwrap().to_str().unwrap(),
-                policy_header(&a)
-            );
-            assert_eq!(
-                cached_policy_header(&b).unwrap().to_str().unwrap(),
-                policy_header(&b)
-            );
-        }
-        assert_ne!(policy_header(&a), policy_header(&b));
-        assert!(cached_policy_header(&[]).is_none());
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod inflight;
 pub mod lease;
 pub mod names;
 pub mod overload;
+pub mod policy_cache;
 pub mod retry_after;
 pub mod unparsed;
 

@@ -31,6 +31,7 @@
 
 mod calls;
 mod interpret;
+mod names;
 mod persist;
 mod plan;
 mod promises;
@@ -42,6 +43,7 @@ mod upstream;
 
 use calls::*;
 use interpret::*;
+use names::intern;
 use plan::*;
 use promises::*;
 pub use remote::*;
@@ -521,47 +523,6 @@ mod subject_state {
         let s = e.subjects.get("tooled").unwrap();
         assert_eq!(s.tools().len(), 1);
         assert_eq!(&*s.tools()[0].0, "search");
-    }
-}
-
-#[cfg(test)]
-mod name_set {
-    use super::*;
-    use crate::engine::test_support::{call, harness};
-
-    fn set_len() -> usize {
-        NAME_SET.with(|s| s.borrow().len())
-    }
-
-    #[test]
-    fn tenants_on_one_thread_share_the_names_of_tools_and_upstreams() {
-        let (_clock, cfg, shared) = harness("", 0);
-        let mut a = TenantEngine::new(Arc::from("a"), cfg.clone(), shared.clone(), 1);
-        let mut b = TenantEngine::new(Arc::from("b"), cfg, shared, 2);
-        let mut req = call("s", "search");
-        req.upstream = Some("warehouse".into());
-        let (ra, rb) = (a.resolve(&req), b.resolve(&req));
-        assert!(Arc::ptr_eq(&ra.tool, &rb.tool));
-        assert!(Arc::ptr_eq(&ra.upstreams[0].0, &rb.upstreams[0].0));
-        assert_eq!((&*ra.tool, &*ra.upstreams[0].0), ("search", "warehouse"));
-        // Another thread keeps a set of its own.
-        let there = std::thread::spawn(|| intern("search")).join().unwrap();
-        assert!(!Arc::ptr_eq(&there, &ra.tool));
-        assert_eq!(&*there, "search");
-    }
-
-    #[test]
-    fn the_set_is_bounded_and_names_in_use_outlive_it() {
-        let kept = intern("kept-name");
-        assert!(Arc::ptr_eq(&kept, &intern("kept-name")));
-        for i in 0..NAMES {
-            intern(&format!("name-{i}"));
-            assert!(set_len() <= NAMES);
-        }
-        // The set started over on the way: the name in use is still whole, and a new copy is made.
-        assert_eq!(&*kept, "kept-name");
-        assert!(!Arc::ptr_eq(&kept, &intern("kept-name")));
-        assert!(set_len() <= NAMES);
     }
 }
 

@@ -131,39 +131,6 @@ pub(super) fn upstream_configs<'a>(cfg: &'a Config, r: &Resolved) -> UpstreamCon
         .collect()
 }
 
-/// Tool and upstream names a thread keeps shared copies of, at most ([`intern`]).
-pub(super) const NAMES: usize = 4096;
-
-thread_local! {
-    /// Shared copies of the tool and upstream names calls use, one set per thread for every tenant
-    /// engine on it: a deployment has few such names, and a set per tenant put two or three cache
-    /// misses on every admission (the tenant's table, then the name's count) where one small set
-    /// that every call uses stays in cache. It assumes few distinct names (past [`NAMES`] it starts
-    /// over, which costs copies, never correctness) and that a tenant engine runs on one thread (one
-    /// elsewhere gets its own copies). What it bought, with 1 000 tenants: last-level read misses
-    /// per admission 64.3 → 60.4 under callgrind's cache model (docs/BENCHMARKS.md).
-    pub(super) static NAME_SET: std::cell::RefCell<hashbrown::HashMap<CompactString, Arc<str>, foldhash::fast::RandomState>> =
-        std::cell::RefCell::new(hashbrown::HashMap::default());
-}
-
-/// The shared copy of a tool or upstream name, so a call does not allocate its names (and free them
-/// on the telemetry thread, the last to drop them). The set is bounded: past [`NAMES`] names it
-/// starts over (names still in use stay alive where they are used).
-pub(super) fn intern(name: &str) -> Arc<str> {
-    NAME_SET.with(|set| {
-        let mut set = set.borrow_mut();
-        if let Some(a) = set.get(name) {
-            return a.clone();
-        }
-        if set.len() >= NAMES {
-            set.clear();
-        }
-        let a: Arc<str> = Arc::from(name);
-        set.insert(CompactString::from(name), a.clone());
-        a
-    })
-}
-
 impl TenantEngine {
     /// Applies tool defaults: upstreams (the request's, else the tool's), then cost.
     pub fn resolve(&mut self, req: &AdmitRequest) -> Resolved {
