@@ -183,14 +183,7 @@ impl TenantActor {
             }
             StoreMode::LocalFallback => {
                 let reply = self.decide_here(&msg.req, now, wall, ctx);
-                if let Err(AdmitReply::Decided(d, _)) = msg.reply.send(reply) {
-                    match truly_admitted(&d) {
-                        true => self.calls.admitted -= 1,
-                        false => self.calls.shed = self.calls.shed.saturating_sub(1),
-                    }
-                    let granted = self.give_back(&d);
-                    self.deliver(granted);
-                }
+                self.send_decided(msg.reply, reply);
             }
             _ => {
                 let _ = msg.reply.send(AdmitReply::StoreDown);

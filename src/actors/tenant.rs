@@ -147,6 +147,19 @@ impl TenantActor {
             .unwrap_or_default()
     }
 
+    /// Sends a reply that [`Self::decide`] counted as answered. A caller that went away meanwhile
+    /// was not answered after all: its count is taken back and its lease, if any, given back.
+    pub(super) fn send_decided(&mut self, tx: oneshot::Sender<AdmitReply>, reply: AdmitReply) {
+        if let Err(AdmitReply::Decided(d, _)) = tx.send(reply) {
+            match truly_admitted(&d) {
+                true => self.calls.admitted -= 1,
+                false => self.calls.shed = self.calls.shed.saturating_sub(1),
+            }
+            let granted = self.give_back(&d);
+            self.deliver(granted);
+        }
+    }
+
     /// Hands decisions to queued callers. A caller that has gone away gets its lease cancelled, which may
     /// in turn let the next queued call in.
     pub(super) fn deliver(&mut self, mut granted: Vec<(u64, Decision)>) {
@@ -341,15 +354,7 @@ impl Handler<Admit> for TenantActor {
             return self.admit_remote(msg, ctx);
         }
         let reply = self.decide(&msg.req, msg.sent, ctx);
-        if let Err(AdmitReply::Decided(d, _)) = msg.reply.send(reply) {
-            // The caller went away meanwhile: it was counted as answered, but was not.
-            match truly_admitted(&d) {
-                true => self.calls.admitted -= 1,
-                false => self.calls.shed = self.calls.shed.saturating_sub(1),
-            }
-            let granted = self.give_back(&d);
-            self.deliver(granted);
-        }
+        self.send_decided(msg.reply, reply);
     }
 }
 

@@ -342,6 +342,19 @@ pub struct TenantLimits {
     pub tenant: LayerLimits,
 }
 
+impl Default for AlertsConfig {
+    fn default() -> Self {
+        AlertsConfig {
+            shed_ratio: 0.5,
+            window: Duration::from_secs(300),
+            for_: Duration::from_secs(60),
+            min_calls: 100,
+            clear_ratio: 0.4,
+            alertmanager_url: None,
+        }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -388,14 +401,7 @@ impl Default for Config {
                 enabled: true,
                 identity_key: None,
             },
-            alerts: AlertsConfig {
-                shed_ratio: 0.5,
-                window: Duration::from_secs(300),
-                for_: Duration::from_secs(60),
-                min_calls: 100,
-                clear_ratio: 0.4,
-                alertmanager_url: None,
-            },
+            alerts: AlertsConfig::default(),
             edge: None,
             state: Default::default(),
             overload: Default::default(),
