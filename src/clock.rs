@@ -81,7 +81,7 @@ fn coarse_wall_ms() -> i64 {
     };
     // SAFETY: `t` is a valid, writable timespec, and CLOCK_REALTIME_COARSE exists on every Linux
     // since 2.6.32. Should the call fail all the same, the precise clock answers instead.
-    if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut t) } == 0 {
+    if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &raw mut t) } == 0 {
         // `time_t` and `c_long` are 32 bits wide on some Linux targets.
         #[allow(clippy::unnecessary_cast)]
         return t.tv_sec as i64 * 1000 + t.tv_nsec as i64 / 1_000_000;

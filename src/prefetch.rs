@@ -24,7 +24,7 @@ pub fn prefetch<T>(p: *const T) {
     // because it is an SSE instruction, which every x86_64 CPU has.
     #[cfg(target_arch = "x86_64")]
     unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast());
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;

@@ -201,12 +201,13 @@ async fn run(config: Config) -> Result<(), String> {
     let arbiters: Vec<Arbiter> = (0..workers)
         .map(|_| Arbiter::try_new().map_err(|e| format!("cannot start a worker thread: {e}")))
         .collect::<Result<_, _>>()?;
-    let handles = arbiters.iter().map(|a| a.handle()).collect();
+    let handles = arbiters.iter().map(actix::Arbiter::handle).collect();
 
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
-    let telemetry = match config.telemetry.enabled {
-        true => Some(telemetry::start(&config, clock.clone())?),
-        false => None,
+    let telemetry = if config.telemetry.enabled {
+        Some(telemetry::start(&config, clock.clone())?)
+    } else {
+        None
     };
     let events = telemetry
         .as_ref()
@@ -345,16 +346,17 @@ async fn write_state(shared: &Arc<Shared>, path: &std::path::Path, last: bool) {
     let s = shared.clone();
     let written = tokio::task::spawn_blocking(move || {
         let _turn = TURN.lock();
-        match !last && s.stopping() {
-            true => Ok(()),
-            false => crate::state::write(&p, &file),
+        if !last && s.stopping() {
+            Ok(())
+        } else {
+            crate::state::write(&p, &file)
         }
     })
     .await;
     match written {
         Ok(Ok(())) => tracing::debug!(tenants, "state file written"),
         Ok(Err(e)) => {
-            tracing::error!(path = %path.display(), error = %e, "cannot write the state file")
+            tracing::error!(path = %path.display(), error = %e, "cannot write the state file");
         }
         Err(e) => tracing::error!(error = %e, "the state file writer failed"),
     }

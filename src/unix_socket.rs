@@ -92,10 +92,10 @@ fn group_id(group: &str) -> Result<libc::gid_t, String> {
     let rc = unsafe {
         libc::getgrnam_r(
             name.as_ptr(),
-            &mut grp,
+            &raw mut grp,
             buf.as_mut_ptr(),
             buf.len(),
-            &mut found,
+            &raw mut found,
         )
     };
     if rc != 0 || found.is_null() {

@@ -313,13 +313,12 @@ impl Shared {
     ) -> (u64, R) {
         let (shard, hash) = self.shard(tenant);
         let map = shard.read();
-        match Self::find(&map, hash, tenant) {
-            Some(e) => (u64::from(e.generation), post(&e.addr)),
-            None => {
-                drop(map);
-                let (generation, addr) = self.tenant_or_start(tenant);
-                (generation, post(&addr))
-            }
+        if let Some(e) = Self::find(&map, hash, tenant) {
+            (u64::from(e.generation), post(&e.addr))
+        } else {
+            drop(map);
+            let (generation, addr) = self.tenant_or_start(tenant);
+            (generation, post(&addr))
         }
     }
 

@@ -124,7 +124,7 @@ impl TenantActor {
                         .clamp(BUSY_POLL_MIN, BUSY_POLL_MAX)
                         .min(Duration::from_nanos(left));
                     ctx.run_later(pause, move |act, ctx| {
-                        act.ask_store(Arc::new(again), msg, first_asked, deadline, ctx)
+                        act.ask_store(Arc::new(again), msg, first_asked, deadline, ctx);
                     });
                 }
             }
@@ -272,12 +272,11 @@ impl TenantActor {
         let fut = store.report(tenant, report, status, retry_after);
         Box::pin(fut.into_actor(self).map(move |out, act, _| {
             act.remote().in_store -= 1;
-            match out {
-                Ok(p) => p,
-                Err(_) => {
-                    let (now, _) = act.now();
-                    act.engine.feedback(&upstream, status, retry_after, now)
-                }
+            if let Ok(p) = out {
+                p
+            } else {
+                let (now, _) = act.now();
+                act.engine.feedback(&upstream, status, retry_after, now)
             }
         }))
     }

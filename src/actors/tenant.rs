@@ -129,9 +129,10 @@ impl TenantActor {
     /// Counts an answer for the shed-ratio alerts; a shadow-mode admission that enforce mode would
     /// have refused counts as shed, so shadow mode predicts enforce mode's alerts.
     pub(super) fn count(&mut self, admitted: bool) {
-        match admitted {
-            true => self.calls.admitted += 1,
-            false => self.calls.shed += 1,
+        if admitted {
+            self.calls.admitted += 1;
+        } else {
+            self.calls.shed += 1;
         }
     }
 
@@ -151,9 +152,10 @@ impl TenantActor {
     /// was not answered after all: its count is taken back and its lease, if any, given back.
     pub(super) fn send_decided(&mut self, tx: oneshot::Sender<AdmitReply>, reply: AdmitReply) {
         if let Err(AdmitReply::Decided(d, _)) = tx.send(reply) {
-            match truly_admitted(&d) {
-                true => self.calls.admitted -= 1,
-                false => self.calls.shed = self.calls.shed.saturating_sub(1),
+            if truly_admitted(&d) {
+                self.calls.admitted -= 1;
+            } else {
+                self.calls.shed = self.calls.shed.saturating_sub(1);
             }
             let granted = self.give_back(&d);
             self.deliver(granted);
@@ -344,7 +346,7 @@ impl Handler<Admit> for TenantActor {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         // The actor's state (its engine included) and the lease slot it will write are most likely
         // out of cache: ask for all of it at once rather than one line at a time as it is read.
-        prefetch_all(self as *const Self);
+        prefetch_all(std::ptr::from_ref::<Self>(self));
         self.engine.prefetch_lease_slot();
         if msg.reply.is_closed() {
             // The caller went away while the call waited in the mailbox: nothing to decide.
@@ -486,7 +488,7 @@ impl Handler<EndEdgeLease> for TenantActor {
         match self.engine.cancel_lease(msg.0, now, wall) {
             Ok(granted) => self.deliver(granted),
             Err(_) if self.remote.is_some() => {
-                self.release_in_store(msg.0, None, crate::store::Refund::Never)
+                self.release_in_store(msg.0, None, crate::store::Refund::Never);
             }
             Err(_) => {}
         }

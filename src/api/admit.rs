@@ -80,12 +80,13 @@ pub async fn admit(
     }
     let traced = app.shared.telemetry.traces();
     // The wall-clock start only dates spans.
-    let start_unix_ns = match traced {
-        true => SystemTime::now()
+    let start_unix_ns = if traced {
+        SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos())
-            .unwrap_or(0),
-        false => 0,
+            .unwrap_or(0)
+    } else {
+        0
     };
     let mut b: AdmitBody = body::parse_json(&bytes)?;
     name_field("tenant", &b.tenant)?;
@@ -155,12 +156,11 @@ pub async fn admit(
         // moved several times on its way into the connection task, stays small.
         reply => {
             if held.is_none() {
-                match Held::try_enter(shared.config.load().overload.max_held) {
-                    Some(h) => held = Some(h),
-                    None => {
-                        give_back(shared, tenant, &reply);
-                        return Ok(overload::refused(Overload::Held));
-                    }
+                if let Some(h) = Held::try_enter(shared.config.load().overload.max_held) {
+                    held = Some(h);
+                } else {
+                    give_back(shared, tenant, &reply);
+                    return Ok(overload::refused(Overload::Held));
                 }
             }
             Box::pin(wait_out(shared, tenant, reply, max_wait_ns, shadow)).await?
@@ -325,17 +325,16 @@ async fn wait_out(
             guard.waiter = Some(waiter);
             // The actor answers by the deadline; the slack only guards against a lost answer.
             let slack = Duration::from_nanos(max_wait_ns) + Duration::from_secs(2);
-            let d = match tokio::time::timeout(slack, &mut rx).await {
-                Ok(Ok(d)) => d,
-                _ => {
-                    rx.close();
-                    match rx.try_recv() {
-                        Ok(d) => d,
-                        Err(_) => {
-                            return Err(ApiError::unavailable(
-                                "the tenant's queue did not answer in time; retry the request",
-                            ))
-                        }
+            let d = if let Ok(Ok(d)) = tokio::time::timeout(slack, &mut rx).await {
+                d
+            } else {
+                rx.close();
+                match rx.try_recv() {
+                    Ok(d) => d,
+                    Err(_) => {
+                        return Err(ApiError::unavailable(
+                            "the tenant's queue did not answer in time; retry the request",
+                        ))
                     }
                 }
             };

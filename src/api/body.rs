@@ -280,7 +280,7 @@ where
 
 /// Parses a JSON body, naming the problem and where it is.
 pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
-    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::invalid(
             "the request body is empty; send a JSON object",
         ));

@@ -455,11 +455,12 @@ async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiErr
         penalty_ms: released.penalty.map(|d| d.as_millis() as u64),
         duration_ms,
         lease,
-        released_unix_ns: match app.shared.telemetry.traces() {
-            true => std::time::SystemTime::now()
+        released_unix_ns: if app.shared.telemetry.traces() {
+            std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
-            false => 0,
+                .map_or(0, |d| d.as_nanos() as u64)
+        } else {
+            0
         },
     });
     Ok(json_response(StatusCode::OK, RELEASED))
@@ -541,19 +542,20 @@ fn readiness(app: &Arc<App>) -> Response {
         );
     };
     let (up, state) = store.readiness();
-    match up {
-        true => json(
+    if up {
+        json(
             StatusCode::OK,
             &serde_json::json!({"ready": true, "store": state}),
-        ),
-        false => json(
+        )
+    } else {
+        json(
             StatusCode::SERVICE_UNAVAILABLE,
             &serde_json::json!({
                 "ready": false,
                 "store": state,
                 "reason": "the shared store (redis) does not answer",
             }),
-        ),
+        )
     }
 }
 

@@ -249,31 +249,28 @@ impl Validator<'_> {
                 )
             }
         };
-        let keys = match algorithm {
-            Algorithm::HS256 => {
-                if let Some(v) = &j.jwks_file {
-                    return self.err(
-                        v.span(),
-                        "edge.jwt.jwks_file is for RS256 and ES256; HS256 takes secret_file or secret_env",
-                    );
-                }
-                JwtKeys::Hmac(self.hmac_secret(&j, span.clone())?)
+        let keys = if algorithm == Algorithm::HS256 {
+            if let Some(v) = &j.jwks_file {
+                return self.err(
+                    v.span(),
+                    "edge.jwt.jwks_file is for RS256 and ES256; HS256 takes secret_file or secret_env",
+                );
             }
-            _ => {
-                if let Some(v) = j.secret_file.as_ref().or(j.secret_env.as_ref()) {
-                    return self.err(
-                        v.span(),
-                        "edge.jwt.secret_file and secret_env are for HS256; RS256 and ES256 take jwks_file",
-                    );
-                }
-                let Some(file) = &j.jwks_file else {
-                    return self.err(
-                        span,
-                        format!("edge.jwt: {algorithm:?} needs jwks_file, the public keys as a JWKS (JSON Web Key Set) file"),
-                    );
-                };
-                JwtKeys::Jwks(self.jwks(file, algorithm)?)
+            JwtKeys::Hmac(self.hmac_secret(&j, span.clone())?)
+        } else {
+            if let Some(v) = j.secret_file.as_ref().or(j.secret_env.as_ref()) {
+                return self.err(
+                    v.span(),
+                    "edge.jwt.secret_file and secret_env are for HS256; RS256 and ES256 take jwks_file",
+                );
             }
+            let Some(file) = &j.jwks_file else {
+                return self.err(
+                    span,
+                    format!("edge.jwt: {algorithm:?} needs jwks_file, the public keys as a JWKS (JSON Web Key Set) file"),
+                );
+            };
+            JwtKeys::Jwks(self.jwks(file, algorithm)?)
         };
         let text = |key: &str, v: &S<String>| -> Result<String, ConfigError> {
             let s = v.get_ref().trim();

@@ -303,7 +303,7 @@ pub struct AlertsConfig {
     pub min_calls: u64,
     /// Ratio below which a firing alert clears (hysteresis); defaults to 80% of `shed_ratio`.
     pub clear_ratio: f64,
-    /// Optional Alertmanager base URL; alerts are POSTed to `{url}/api/v2/alerts`.
+    /// Optional Alertmanager base URL; alerts are sent with a POST to `{url}/api/v2/alerts`.
     pub alertmanager_url: Option<String>,
 }
 

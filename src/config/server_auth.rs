@@ -2,7 +2,7 @@
 //! into keyed hashes in logs and spans (`[telemetry] hash_identities`).
 //!
 //! Tokens are configured as SHA-256 digests (64 hex digits), never as the tokens themselves, so the
-//! config file (often world-readable, kept in version control or a ConfigMap) holds nothing a caller
+//! config file (often world-readable, kept in version control or a `ConfigMap`) holds nothing a caller
 //! could present. The identity key is secret and comes from a file or the environment, never from the
 //! config text; it is read when the config is loaded, so `admitd check` reports a missing key.
 

@@ -190,7 +190,7 @@ impl Validator<'_> {
             out.replicas = self.count("store.replicas", v, 1, 10_000)? as u32;
         }
         if out.kind == StoreKind::Redis {
-            let span = s.kind.as_ref().map_or(0..0, |k| k.span());
+            let span = s.kind.as_ref().map_or(0..0, toml::Spanned::span);
             if out.url.is_none() {
                 return self.err(span, "store.kind = \"redis\" needs store.url");
             }

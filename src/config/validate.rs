@@ -42,8 +42,8 @@ pub(super) fn years_text(years: f64) -> String {
 pub(super) fn layer_span(raw: &RawLayer) -> Option<std::ops::Range<usize>> {
     raw.burst
         .as_ref()
-        .map(|b| b.span())
-        .or(raw.rate.as_ref().map(|r| r.span()))
+        .map(toml::Spanned::span)
+        .or(raw.rate.as_ref().map(toml::Spanned::span))
 }
 
 pub(super) struct Validator<'a> {
@@ -137,8 +137,14 @@ impl Validator<'_> {
         raw: &RawLayer,
     ) -> Result<(), ConfigError> {
         let unsupported = earliest([
-            ("concurrency", raw.concurrency.as_ref().map(|v| v.span())),
-            ("daily_quota", raw.daily_quota.as_ref().map(|v| v.span())),
+            (
+                "concurrency",
+                raw.concurrency.as_ref().map(toml::Spanned::span),
+            ),
+            (
+                "daily_quota",
+                raw.daily_quota.as_ref().map(toml::Spanned::span),
+            ),
         ]);
         match unsupported {
             Some((key, at)) => self.err(at, format!("{section}.{key} is not supported: the global layer is a rate backstop only; set {key} in [limits.subject] or [limits.tenant]")),
@@ -180,8 +186,8 @@ impl Validator<'_> {
         &self,
         section: &str,
         span: std::ops::Range<usize>,
-        rate: &Option<S<String>>,
-        burst: &Option<S<f64>>,
+        rate: Option<&S<String>>,
+        burst: Option<&S<f64>>,
     ) -> Result<Option<BucketSpec>, ConfigError> {
         match (rate, burst) {
             (None, None) => Ok(None),
@@ -197,7 +203,7 @@ impl Validator<'_> {
                 };
                 let _ = span;
                 let spec = BucketSpec { rate, burst };
-                let at = b.as_ref().map_or(r.span(), |b| b.span());
+                let at = b.map_or(r.span(), toml::Spanned::span);
                 self.refill_fits(section, at, spec, 1.0)?;
                 Ok(Some(spec))
             }
@@ -261,51 +267,57 @@ impl Validator<'_> {
             shared: u.shared.unwrap_or(false),
             ..UpstreamConfig::default()
         };
-        match &u.published_limit {
-            Some(p) => {
-                if let Some(r) = &u.rate {
-                    return self.err(
-                        r.span(),
-                        format!("{section}: set either rate or published_limit, not both"),
-                    );
-                }
-                let published = self.rate(&format!("{section}.published_limit"), p)?;
-                let reserved = match &u.reserved_for_batch {
-                    Some(r) => Some(self.rate(&format!("{section}.reserved_for_batch"), r)?),
-                    None => None,
-                };
-                if let Some(h) = &u.headroom {
-                    out.headroom = self.fraction(&format!("{section}.headroom"), h, 0.0, 1.0)?;
-                }
-                let rate = derive_rate(published, reserved, out.headroom);
-                if rate <= 0.0 {
-                    let at = u.reserved_for_batch.as_ref().map_or(p.span(), |r| r.span());
-                    return self.err(at, format!("{section}.reserved_for_batch leaves nothing of published_limit for agents"));
-                }
-                let burst = match &u.burst {
-                    Some(b) => self.positive(&format!("{section}.burst"), b, 1.0)?,
-                    None => rate.ceil().max(1.0),
-                };
-                out.bucket = Some(BucketSpec::new(rate, burst));
-                out.published_limit = Some(published);
-                out.reserved_for_batch = reserved;
+        if let Some(p) = &u.published_limit {
+            if let Some(r) = &u.rate {
+                return self.err(
+                    r.span(),
+                    format!("{section}: set either rate or published_limit, not both"),
+                );
             }
-            None => {
-                let needs_published = earliest([
-                    ("headroom", u.headroom.as_ref().map(|v| v.span())),
-                    (
-                        "reserved_for_batch",
-                        u.reserved_for_batch.as_ref().map(|v| v.span()),
+            let published = self.rate(&format!("{section}.published_limit"), p)?;
+            let reserved = match &u.reserved_for_batch {
+                Some(r) => Some(self.rate(&format!("{section}.reserved_for_batch"), r)?),
+                None => None,
+            };
+            if let Some(h) = &u.headroom {
+                out.headroom = self.fraction(&format!("{section}.headroom"), h, 0.0, 1.0)?;
+            }
+            let rate = derive_rate(published, reserved, out.headroom);
+            if rate <= 0.0 {
+                let at = u
+                    .reserved_for_batch
+                    .as_ref()
+                    .map_or(p.span(), toml::Spanned::span);
+                return self.err(
+                    at,
+                    format!(
+                        "{section}.reserved_for_batch leaves nothing of published_limit for agents"
                     ),
-                ]);
-                if let Some((key, at)) = needs_published {
-                    return self.err(
-                        at,
-                        format!("{section}.{key} needs {section}.published_limit"),
-                    );
-                }
-                out.bucket = self.optional_bucket(section, span.clone(), &u.rate, &u.burst)?;
+                );
             }
+            let burst = match &u.burst {
+                Some(b) => self.positive(&format!("{section}.burst"), b, 1.0)?,
+                None => rate.ceil().max(1.0),
+            };
+            out.bucket = Some(BucketSpec::new(rate, burst));
+            out.published_limit = Some(published);
+            out.reserved_for_batch = reserved;
+        } else {
+            let needs_published = earliest([
+                ("headroom", u.headroom.as_ref().map(toml::Spanned::span)),
+                (
+                    "reserved_for_batch",
+                    u.reserved_for_batch.as_ref().map(toml::Spanned::span),
+                ),
+            ]);
+            if let Some((key, at)) = needs_published {
+                return self.err(
+                    at,
+                    format!("{section}.{key} needs {section}.published_limit"),
+                );
+            }
+            out.bucket =
+                self.optional_bucket(section, span.clone(), u.rate.as_ref(), u.burst.as_ref())?;
         }
         if let Some(v) = &u.aimd_factor {
             out.aimd.factor = self.fraction(&format!("{section}.aimd_factor"), v, 0.0, 1.0)?;
@@ -318,15 +330,15 @@ impl Validator<'_> {
             let shape = u
                 .burst
                 .as_ref()
-                .map(|b| b.span())
-                .or(u.rate.as_ref().map(|r| r.span()))
-                .or(u.published_limit.as_ref().map(|p| p.span()))
+                .map(toml::Spanned::span)
+                .or(u.rate.as_ref().map(toml::Spanned::span))
+                .or(u.published_limit.as_ref().map(toml::Spanned::span))
                 .unwrap_or(span.clone());
             if u.published_limit.is_some() {
                 // A bucket from rate and burst was checked where it was read.
                 self.refill_fits(section, shape.clone(), spec, 1.0)?;
             }
-            let at = u.aimd_floor.as_ref().map_or(shape, |f| f.span());
+            let at = u.aimd_floor.as_ref().map_or(shape, toml::Spanned::span);
             self.refill_fits(section, at, spec, out.aimd.floor)?;
         }
         if let Some(v) = &u.aimd_recover {
@@ -602,7 +614,7 @@ impl Validator<'_> {
         } else if let Some(u) = &upstream {
             upstreams.push((u.clone(), 1.0));
         }
-        let bucket = self.optional_bucket(&section, span, &t.rate, &t.burst)?;
+        let bucket = self.optional_bucket(&section, span, t.rate.as_ref(), t.burst.as_ref())?;
         Ok(ToolConfig {
             cost,
             upstream,
@@ -647,12 +659,15 @@ impl Validator<'_> {
             // writes the defaults out (export off, no endpoint) must stay valid.
             if endpoint.is_none() {
                 let set = earliest([
-                    ("sample_ratio", o.sample_ratio.as_ref().map(|v| v.span())),
+                    (
+                        "sample_ratio",
+                        o.sample_ratio.as_ref().map(toml::Spanned::span),
+                    ),
                     (
                         "max_spans_per_second",
-                        o.max_spans_per_second.as_ref().map(|v| v.span()),
+                        o.max_spans_per_second.as_ref().map(toml::Spanned::span),
                     ),
-                    ("protocol", o.protocol.as_ref().map(|v| v.span())),
+                    ("protocol", o.protocol.as_ref().map(toml::Spanned::span)),
                 ]);
                 if let Some((_, span)) = set {
                     return self.err(span, "[telemetry.otlp] has no endpoint, so nothing would be exported; set telemetry.otlp.endpoint (for example \"http://127.0.0.1:4318/v1/traces\") or remove the section");
@@ -696,7 +711,7 @@ impl Validator<'_> {
             };
             let service_name = o
                 .service_name
-                .map(|s| s.into_inner())
+                .map(toml::Spanned::into_inner)
                 .unwrap_or_else(|| "admitd".to_string());
             out.otlp = endpoint.map(|endpoint| OtlpConfig {
                 endpoint,

@@ -90,7 +90,10 @@ impl SubjectLabels {
             }
         }
         let known_tenant = s.tenants.contains_key(tenant);
-        let per_tenant = s.tenants.get(tenant).map_or(0, |set| set.len());
+        let per_tenant = s
+            .tenants
+            .get(tenant)
+            .map_or(0, std::collections::HashSet::len);
         if s.total >= s.max_total
             || per_tenant >= s.max_per_tenant
             || (!known_tenant && s.tenants.len() >= MAX_TENANTS)

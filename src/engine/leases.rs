@@ -59,12 +59,11 @@ impl<T> Leases<T> {
     /// Stores a lease; returns its number. (2^32 live leases, the most a slot index can name, would
     /// take hundreds of gigabytes: memory runs out long before the index does.)
     pub fn insert(&mut self, value: T) -> u64 {
-        let index = match self.free.pop() {
-            Some(i) => i as usize,
-            None => {
-                self.slots.push(Slot { id: 0, value: None });
-                self.slots.len() - 1
-            }
+        let index = if let Some(i) = self.free.pop() {
+            i as usize
+        } else {
+            self.slots.push(Slot { id: 0, value: None });
+            self.slots.len() - 1
         };
         self.seq = self.seq.wrapping_add(1);
         let id = (u64::from(self.seq) << 32) | index as u64;

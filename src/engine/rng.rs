@@ -1,7 +1,7 @@
 //! A tiny seeded random number generator for retry-hint jitter.
 //!
 //! Jitter needs no cryptographic quality, only independence between tenants and determinism in tests,
-//! so a seeded SplitMix64 (one word of state, no dependency) is enough.
+//! so a seeded `SplitMix64` (one word of state, no dependency) is enough.
 
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

@@ -377,9 +377,10 @@ impl SharedBudgets {
                     penalty_until_ms: (penalty > at.now).then(|| at.to_wall(penalty)),
                     multiplier: m,
                     last_429_ms: (last > 0).then(|| at.to_wall(last)),
-                    window: match throttled {
-                        true => sre.export(at, window),
-                        false => Vec::new(),
+                    window: if throttled {
+                        sre.export(at, window)
+                    } else {
+                        Vec::new()
                     },
                 })
             })

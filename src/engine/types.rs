@@ -80,7 +80,7 @@ impl Layer {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerState {
     pub layer: Layer,
-    /// The name in the RateLimit headers: the layer's scope, or `tenant_upstream:<name>` when a call
+    /// The name in the `RateLimit` headers: the layer's scope, or `tenant_upstream:<name>` when a call
     /// spends several upstreams (so each has its own entry).
     pub name: std::borrow::Cow<'static, str>,
     /// Burst, the `q` of the policy.

@@ -435,9 +435,10 @@ impl RedisStore {
                 .iter()
                 .map(|c| {
                     // The hint cursor of the scope, in the tenant's run-times hash.
-                    let cursor = match c.subject {
-                        true => format!("cs:{}", call.subject),
-                        false => "ct".to_string(),
+                    let cursor = if c.subject {
+                        format!("cs:{}", call.subject)
+                    } else {
+                        "ct".to_string()
                     };
                     json!({"k": self.key(tenant, &c.key), "cap": c.cap, "sub": c.subject,
                            "cursor": cursor})

@@ -141,7 +141,7 @@ impl AlertEvaluator {
         let cfg = &self.cfg;
         let hold = cfg.for_.as_nanos() as u64;
         let mut changes = Vec::new();
-        for (name, t) in self.tenants.iter_mut() {
+        for (name, t) in &mut self.tenants {
             let (admitted, shed) = t.window.totals(slot);
             t.calls = admitted + shed;
             t.ratio = if t.calls == 0 {
@@ -299,10 +299,10 @@ impl AlertActor {
         for change in self.evaluator.evaluate(now, wall) {
             match &change {
                 AlertChange::Fired { tenant, ratio, .. } => {
-                    tracing::warn!(target: "admitd::alerts", alert = SHED_RATIO_ALERT, tenant = %tenant, shed_ratio = ratio, "alert firing")
+                    tracing::warn!(target: "admitd::alerts", alert = SHED_RATIO_ALERT, tenant = %tenant, shed_ratio = ratio, "alert firing");
                 }
                 AlertChange::Cleared { tenant, ratio } => {
-                    tracing::info!(target: "admitd::alerts", alert = SHED_RATIO_ALERT, tenant = %tenant, shed_ratio = ratio, "alert cleared")
+                    tracing::info!(target: "admitd::alerts", alert = SHED_RATIO_ALERT, tenant = %tenant, shed_ratio = ratio, "alert cleared");
                 }
             }
             if let Some(url) = &self.alertmanager {

@@ -9,7 +9,7 @@
 //! gauges go to the Prometheus exporter.
 //!
 //! The refusal log writes one JSON line per shed (target `admitd::refusal`: scope, tool, upstream,
-//! tenant, hashed subject, cost, retry_after_ms, call_id), throttled by a token bucket of
+//! tenant, hashed subject, cost, `retry_after_ms`, `call_id`), throttled by a token bucket of
 //! `refusal_log_per_sec` so a looping agent cannot flood the log; lines it drops are counted in
 //! `admitd_refusal_logs_suppressed_total` and summarised once a second.
 
@@ -189,7 +189,7 @@ impl MetricsActor {
         }
     }
 
-    fn upstream_label(&mut self, upstream: &Option<Arc<str>>) -> Arc<str> {
+    fn upstream_label(&mut self, upstream: Option<&Arc<str>>) -> Arc<str> {
         match upstream {
             Some(u) => self.caps.upstream(u),
             None => self.none.clone(),
@@ -280,7 +280,7 @@ impl MetricsActor {
             tenant,
             subject,
             tool,
-            upstream: self.upstream_label(&d.upstream),
+            upstream: self.upstream_label(d.upstream.as_ref()),
         };
         let series = DecisionSeries {
             admissions: self.admission_counter(d, &labels),
@@ -334,12 +334,11 @@ impl MetricsActor {
         }
         for (hash, lease) in keys.iter().zip(leases) {
             let raw = raw(tenant, lease);
-            let entry = match self.expiries_raw.find(*hash, &raw) {
-                Some(e) => e,
-                None => {
-                    let c = self.lease_expiry_counter(tenant, lease);
-                    self.expiries_raw.insert(*hash, raw.to_key(), c)
-                }
+            let entry = if let Some(e) = self.expiries_raw.find(*hash, &raw) {
+                e
+            } else {
+                let c = self.lease_expiry_counter(tenant, lease);
+                self.expiries_raw.insert(*hash, raw.to_key(), c)
             };
             self.expiries_raw.get(entry).increment(1);
         }
@@ -352,7 +351,7 @@ impl MetricsActor {
     /// telemetry thread (and so the core it shares) for hundreds of microseconds at every tick.
     fn lease_expiry_counter(&mut self, tenant: &Arc<str>, lease: &ExpiredLease) -> Counter {
         let (t, s, tool) = self.caps.call(tenant, &lease.0, &lease.1);
-        let key = (t, s, tool, self.upstream_label(&lease.2));
+        let key = (t, s, tool, self.upstream_label(lease.2.as_ref()));
         if let Some(c) = self.lease_expiries.get(&key) {
             return c.clone();
         }
@@ -454,7 +453,7 @@ impl MetricsActor {
                     return;
                 }
                 let (tenant, _, tool) = self.caps.call(&r.tenant, &r.subject, &r.tool);
-                let upstream = self.upstream_label(&r.upstream);
+                let upstream = self.upstream_label(r.upstream.as_ref());
                 if let Some(status) = status {
                     self.upstream_response(tenant.clone(), upstream.clone(), status);
                 }
@@ -478,7 +477,7 @@ impl MetricsActor {
                         .tenant_gauges
                         .entry(tenant.clone())
                         .or_insert_with(|| TenantGauges::of(&tenant));
-                    g.inflight.set(gauges.inflight as f64);
+                    g.inflight.set(f64::from(gauges.inflight));
                     g.waiting.set(gauges.waiting as f64);
                     g.tenant_utilization.set(gauges.tenant_utilization);
                     g.subject_utilization.set(gauges.subject_utilization);

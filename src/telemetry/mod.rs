@@ -337,7 +337,7 @@ impl Telemetry {
             *p.borrow_mut() = Some(Pending {
                 events: Vec::with_capacity(BATCH),
                 to: self.clone(),
-            })
+            });
         });
     }
 

@@ -156,7 +156,7 @@ impl<V> RawIndex<V> {
     /// Stage one: start loading the slot `hash` probes first.
     pub fn prefetch_slot(&self, hash: u64) {
         if !self.slots.is_empty() {
-            prefetch(&self.slots[self.home(hash)]);
+            prefetch(&raw const self.slots[self.home(hash)]);
         }
     }
 
@@ -186,7 +186,7 @@ impl<V> RawIndex<V> {
     /// only costs a useless prefetch).
     pub fn prefetch_entry(&self, hash: u64) {
         if let Some(e) = self.probe(hash, |_| true) {
-            prefetch(&self.entries[e]);
+            prefetch(&raw const self.entries[e]);
         }
     }
 

@@ -105,7 +105,7 @@ impl TenantEngine {
         let mut penalty = None;
         if rate_limited && !l.upstreams.is_empty() {
             let d = info.retry_after.unwrap_or(Duration::from_secs(1));
-            for (up, _) in l.upstreams.iter() {
+            for (up, _) in &l.upstreams {
                 self.upstream_rate_limited(up, d, now);
             }
             penalty = Some(d);
@@ -114,7 +114,7 @@ impl TenantEngine {
             let accepted = info.upstream_status != Some(503);
             let healthy =
                 info.outcome == Outcome::Ok && info.upstream_status.is_none_or(|s| s < 500);
-            for (up, _) in l.upstreams.iter() {
+            for (up, _) in &l.upstreams {
                 self.upstream_answered(up, accepted, healthy, now);
             }
         }

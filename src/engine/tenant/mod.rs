@@ -10,7 +10,7 @@
 //!
 //! Order of checks for a call, each refusal giving back what earlier layers took:
 //! oversized → upstream penalty → adaptive throttle → concurrency (subject, tenant; may queue) → daily
-//! quota (subject, tenant) → buckets (subject, subject_tool, tenant, tenant_upstream for every upstream
+//! quota (subject, tenant) → buckets (subject, `subject_tool`, tenant, `tenant_upstream` for every upstream
 //! the call spends, global).
 //!
 //! Upstreams are more than a bucket: a 429 reported on release or feedback starts a penalty (until the
@@ -56,7 +56,7 @@ use std::collections::VecDeque;
 use std::hash::BuildHasher;
 
 /// The engine's maps are keyed by caller-supplied names and lease numbers and looked up several times
-/// per decision: a fast seeded hasher (foldhash) instead of SipHash. The seed is random per map, so
+/// per decision: a fast seeded hasher (foldhash) instead of `SipHash`. The seed is random per map, so
 /// keys cannot be chosen to collide.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
@@ -243,13 +243,13 @@ impl TenantEngine {
                 }
             });
         }
-        for (name, u) in self.upstreams.iter_mut() {
+        for (name, u) in &mut self.upstreams {
             let o = old.upstream(name).and_then(|u| u.bucket);
             let n = new.upstream(name).and_then(|u| u.bucket);
             match (o, n) {
                 (Some(o), Some(n)) => {
                     u.bucket
-                        .rescale(now, &scaled(o, u.multiplier), &scaled(n, u.multiplier))
+                        .rescale(now, &scaled(o, u.multiplier), &scaled(n, u.multiplier));
                 }
                 _ => u.bucket = Bucket::default(),
             }

@@ -49,9 +49,10 @@ impl TenantEngine {
                     penalty_until_ms: penalised.then(|| at.to_wall(u.penalty_until)),
                     multiplier: u.multiplier,
                     last_429_ms: (u.last_429 > 0).then(|| at.to_wall(u.last_429)),
-                    window: match sre {
-                        true => u.sre.export(at, window),
-                        false => Vec::new(),
+                    window: if sre {
+                        u.sre.export(at, window)
+                    } else {
+                        Vec::new()
                     },
                 })
             })

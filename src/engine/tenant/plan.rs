@@ -49,8 +49,8 @@ impl LayerPlan {
         }
     }
 
-    pub(super) fn same_layer(&self, layer: Layer, upstream: &Option<Arc<str>>) -> bool {
-        self.layer == layer && self.upstream == *upstream
+    pub(super) fn same_layer(&self, layer: Layer, upstream: Option<&Arc<str>>) -> bool {
+        self.layer == layer && self.upstream.as_ref() == upstream
     }
 }
 

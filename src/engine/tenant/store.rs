@@ -91,7 +91,7 @@ impl TenantEngine {
                     match u.fair.take(&f, now, f.increment(tokens), 0) {
                         short @ Take::Short { .. } => return (short, 0, 0),
                         Take::Ok { .. } => {
-                            fair_state = Some((u.fair.remaining(&f, now), u.fair.reset_ns(now)))
+                            fair_state = Some((u.fair.remaining(&f, now), u.fair.reset_ns(now)));
                         }
                     }
                 }
@@ -329,7 +329,11 @@ impl TenantEngine {
             ..r.clone()
         };
         for lp in plan {
-            if charge.taken.iter().any(|(l, u)| lp.same_layer(*l, u)) {
+            if charge
+                .taken
+                .iter()
+                .any(|(l, u)| lp.same_layer(*l, u.as_ref()))
+            {
                 self.refund_layer(lp, &r);
             }
         }

@@ -89,12 +89,11 @@ impl SubjectState {
 
     pub(super) fn tool_bucket(&mut self, tool: &Arc<str>) -> &mut Bucket {
         let tools = &mut self.extra_mut().tools;
-        let i = match tools.iter().position(|(t, _)| t == tool) {
-            Some(i) => i,
-            None => {
-                tools.push((tool.clone(), Bucket::default()));
-                tools.len() - 1
-            }
+        let i = if let Some(i) = tools.iter().position(|(t, _)| t == tool) {
+            i
+        } else {
+            tools.push((tool.clone(), Bucket::default()));
+            tools.len() - 1
         };
         &mut tools[i].1
     }

@@ -293,33 +293,29 @@ impl TenantEngine {
             .filter(|c| c.shared)
             .and_then(|_| self.shared.upstream(upstream));
         let new_episode = shared.as_ref().is_none_or(|s| s.penalty_until() <= now);
-        match &shared {
-            Some(s) => s.penalise(now, until),
-            None => {
-                let u = self.upstream_mut(upstream);
-                u.penalty_until = u.penalty_until.max(until);
-            }
+        if let Some(s) = &shared {
+            s.penalise(now, until)
+        } else {
+            let u = self.upstream_mut(upstream);
+            u.penalty_until = u.penalty_until.max(until);
         }
         if let Some(cfg) = &cfg {
             if let Some(spec) = cfg.bucket {
-                match &shared {
-                    Some(s) => {
-                        s.note_429(now);
-                        if new_episode {
-                            let (old, new) = s.aimd_refused(spec.rate.per_sec, &cfg.aimd, now);
-                            s.bucket
-                                .rescale(now, &scaled(spec, old), &scaled(spec, new));
-                        }
-                    }
-                    None => {
-                        let u = self.upstream_mut(upstream);
-                        u.last_429 = now;
-                        let old = u.multiplier;
-                        u.multiplier = aimd_cut(old, &cfg.aimd);
-                        let new = u.multiplier;
-                        u.bucket
+                if let Some(s) = &shared {
+                    s.note_429(now);
+                    if new_episode {
+                        let (old, new) = s.aimd_refused(spec.rate.per_sec, &cfg.aimd, now);
+                        s.bucket
                             .rescale(now, &scaled(spec, old), &scaled(spec, new));
                     }
+                } else {
+                    let u = self.upstream_mut(upstream);
+                    u.last_429 = now;
+                    let old = u.multiplier;
+                    u.multiplier = aimd_cut(old, &cfg.aimd);
+                    let new = u.multiplier;
+                    u.bucket
+                        .rescale(now, &scaled(spec, old), &scaled(spec, new));
                 }
             }
             if let Some(a) = cfg.adaptive {

@@ -6,11 +6,11 @@
 //! attributes are decided here, in one place:
 //!
 //! - `admitd admit {tool}`: one per admission decision, from the request's arrival to its answer, so
-//!   it covers any hold. It carries the GenAI and MCP attributes (`gen_ai.operation.name =
+//!   it covers any hold. It carries the `GenAI` and MCP attributes (`gen_ai.operation.name =
 //!   "execute_tool"`, `gen_ai.tool.name`, `mcp.method.name = "tools/call"`, `gen_ai.tool.call.id`)
 //!   and admitd's (tenant, hashed subject, upstream, cost, decision, scope, wait, retry hint).
 //! - `admitd release {tool}`: one per released (or expired) lease, at the moment the release was
-//!   answered, in the admission's trace with a link to its admission span, carrying the same GenAI
+//!   answered, in the admission's trace with a link to its admission span, carrying the same `GenAI`
 //!   and MCP attributes plus what the server reported (outcome, upstream status, Retry-After, tool
 //!   duration) and how long the lease was held.
 //! - `admitd upstream_feedback`: an upstream answer reported outside a lease.
@@ -144,7 +144,7 @@ fn span_id(id: u64) -> SpanId {
 }
 
 impl CallNames {
-    /// The attributes both spans of a call carry: the GenAI and MCP conventions, then admitd's.
+    /// The attributes both spans of a call carry: the `GenAI` and MCP conventions, then admitd's.
     fn attributes(self, capacity: usize) -> Vec<KeyValue> {
         let mut attrs = Vec::with_capacity(capacity);
         attrs.push(attr("gen_ai.operation.name", "execute_tool"));
