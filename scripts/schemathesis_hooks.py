@@ -8,7 +8,9 @@ as valid is one admitd must accept:
 - ``http-date``: an RFC 9110 HTTP-date in any of its three forms, for a real calendar date
   (a pattern would also take 31 Feb or a weekday that does not match the date).
 
-And one filter: a generated body whose strings JSON would change on the way is not sent.
+And two filters: a generated body whose strings JSON would change on the way is not sent, and a
+failure about valid or invalid data is reported only when the body really is what the generator
+said it was, judged by the spec with both formats checked exactly.
 """
 
 from __future__ import annotations
@@ -107,6 +109,50 @@ def _is_name(value: object) -> bool:
     return isinstance(value, str) and 1 <= len(value.encode("utf-8", "surrogatepass")) <= 128
 
 
+_DAY = "(?P<day>\\d\\d)"
+_TIME = "(?P<h>\\d\\d):(?P<m>\\d\\d):(?P<s>\\d\\d)"
+_MONTH = f"(?P<mon>{'|'.join(MONTHS)})"
+# Each form with its writer: a string is an HTTP-date when it names a real time from 1970 on in
+# one form and that time written back in that form is the same string (so the weekday is right).
+_DATE_FORMS = (
+    (re.compile(f"[A-Za-z]{{3}}, {_DAY} {_MONTH} (?P<year>\\d{{4}}) {_TIME} GMT"), imf_fixdate),
+    (re.compile(f"[A-Za-z]+, {_DAY}-{_MONTH}-(?P<yy>\\d\\d) {_TIME} GMT"), rfc850),
+    (
+        re.compile(f"[A-Za-z]{{3}} {_MONTH} (?P<day>[ \\d]\\d) {_TIME} (?P<year>\\d{{4}})"),
+        asctime,
+    ),
+)
+
+
+def _is_http_date(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    for form, write in _DATE_FORMS:
+        match = form.fullmatch(value)
+        if match is None:
+            continue
+        fields = match.groupdict()
+        if "yy" in fields:
+            # As admitd reads a two-digit year: 70-99 are 19xx, 00-69 are 20xx.
+            yy = int(fields["yy"])
+            year = 1900 + yy if yy >= 70 else 2000 + yy
+        else:
+            year = int(fields["year"])
+        try:
+            parsed = dt.datetime(
+                year,
+                MONTHS.index(fields["mon"]) + 1,
+                int(fields["day"]),
+                int(fields["h"]),
+                int(fields["m"]),
+                int(fields["s"]),
+            )
+        except ValueError:
+            return False
+        return year >= 1970 and write(parsed) == value
+    return False
+
+
 def _load_spec() -> dict:
     with open(os.environ["ADMITD_ST_SPEC"], encoding="utf-8") as f:
         return yaml.safe_load(f)
@@ -128,21 +174,35 @@ def _body_validator(path: str, method: str):
             else jsonschema_rs.validator_for(
                 # The components travel with the schema, so that its `$ref`s resolve.
                 {**schema, "components": SPEC["components"]},
-                formats={"admitd-name": _is_name},
+                formats={"admitd-name": _is_name, "http-date": _is_http_date},
                 validate_formats=True,
             )
         )
     return _VALIDATORS[key]
 
 
+def _body_is_valid(case) -> bool | None:
+    """Whether the case's body is valid by the spec, formats included; None where there is no
+    body schema to judge it by."""
+    validator = _body_validator(case.path, case.method.lower())
+    return None if validator is None else validator.is_valid(case.body)
+
+
 @schemathesis.hook
 def filter_failure(context, failure, case, response) -> bool:
-    if failure.code != "ST201" or case.meta is None:
+    """Drop a failure that blames admitd for a body the generator mislabelled.
+
+    Two ways: a body generated as invalid that is valid (ST201, "invalid data accepted"), when the
+    body is the only part made invalid; and a body generated as valid that is not (ST202, "valid
+    data rejected"), as the stateful phase can make for a format it does not apply.
+    """
+    if case.meta is None or failure.code not in ("ST201", "ST202"):
         return True
-    negative = [
-        location for location, info in case.meta.components.items() if info.mode.is_negative
-    ]
-    if [location.name for location in negative] != ["BODY"]:
-        return True
-    validator = _body_validator(case.path, case.method.lower())
-    return validator is None or not validator.is_valid(case.body)
+    if failure.code == "ST201":
+        negative = [
+            location for location, info in case.meta.components.items() if info.mode.is_negative
+        ]
+        if [location.name for location in negative] != ["BODY"]:
+            return True
+        return _body_is_valid(case) is not True
+    return _body_is_valid(case) is not False

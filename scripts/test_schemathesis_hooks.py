@@ -17,7 +17,7 @@ import schemathesis_hooks as hooks
 
 Location = namedtuple("Location", "name")
 
-def case(body, *negative, path="/v1/admit"):
+def case(body, *negative, path="/v1/admit", **kw):
     mode = lambda neg: NS(mode=NS(is_negative=neg))
     components = {Location("BODY"): mode("BODY" in negative)}
     for location in negative:
@@ -36,8 +36,24 @@ cases = [
     (accepted, case(valid, "BODY", "HEADER")),
     (NS(code="ST101"), case(valid, "BODY")),
 ]
+rejected = NS(code="ST202")
+release = {"lease_id": "x", "outcome": "ok"}
+cases += [
+    (rejected, case({**release, "retry_after": "Wed, 21 Oct 2026 07:28:00 GMT"}, path="/v1/release")),
+    (rejected, case({**release, "retry_after": "\u00f7\u0088"}, path="/v1/release")),
+    (rejected, case({**release, "retry_after": "Thu, 21 Oct 2026 07:28:00 GMT"}, path="/v1/release")),
+    (rejected, case({**valid, "tool": "a\x07"})),
+    (rejected, case(valid)),
+]
 for failure, c in cases:
     print("kept" if hooks.filter_failure(None, failure, c, None) else "dropped")
+dates = [
+    "Sun, 06 Nov 1994 08:49:37 GMT", "Sunday, 06-Nov-94 08:49:37 GMT", "Sun Nov  6 08:49:37 1994",
+    "Wednesday, 06-Nov-69 08:49:37 GMT", "Fri, 31 Dec 9999 23:59:59 GMT",
+    "Mon, 06 Nov 1994 08:49:37 GMT", "Sun, 31 Nov 1994 08:49:37 GMT", "Sun Nov 06 08:49:37 1994",
+    "Thursday, 06-Nov-69 08:49:37 GMT", "Thu, 01 Jan 1960 00:00:00 GMT", "30", 30,
+]
+print(" ".join("date" if hooks._is_http_date(d) else "not" for d in dates))
 """
 
 
@@ -51,10 +67,21 @@ class FilterFailure(unittest.TestCase):
         )
         self.assertEqual(run.returncode, 0, run.stderr)
         self.assertEqual(
-            run.stdout.split(),
-            # valid astral name; 129 bytes; 130 bytes in 65 characters; a control character;
-            # a zero cost; a header broken too; another check's failure
-            ["dropped", "kept", "kept", "kept", "kept", "kept", "kept"],
+            run.stdout.split("\n")[:-2],
+            # ST201, invalid data accepted: a valid astral name; 129 bytes; 130 bytes in 65
+            # characters; a control character; a zero cost; a header broken too; another check's
+            # failure.
+            ["dropped", "kept", "kept", "kept", "kept", "kept", "kept"]
+            # ST202, valid data rejected: a real HTTP-date; not a date; a wrong weekday; a control
+            # character; a valid body.
+            + ["kept", "dropped", "dropped", "dropped", "kept"],
+        )
+        self.assertEqual(
+            run.stdout.split("\n")[-2].split(),
+            # the three forms, 2069 in two digits, the last day a four-digit year can name; a
+            # wrong weekday, 31 November, asctime's day padded with 0, 1969's weekday for 2069,
+            # before 1970, delay-seconds, a number
+            ["date"] * 5 + ["not"] * 7,
         )
 
 
