@@ -55,21 +55,8 @@ for tool in taskset curl jq; do
 done
 
 mkdir -p "$OUT"
-work=$(mktemp -d)
-started=()
-
-stop() { # stop one process this script started, by pid
-    local pid=$1
-    kill "$pid" 2>/dev/null || return 0
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-    kill -9 "$pid" 2>/dev/null || true
-}
-cleanup() {
-    for pid in "${started[@]}"; do stop "$pid"; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+# $work, $started, stop and the exit traps.
+source scripts/bench_common.sh
 
 # ---- build ----------------------------------------------------------------------------------------
 

@@ -52,21 +52,9 @@ for tool in taskset curl jq redis-server redis-cli; do
 done
 
 mkdir -p "$OUT"
-work=$(mktemp -d)
-started=()
-
-stop() { # stop one process this script started, by pid
-    local pid=$1
-    kill "$pid" 2>/dev/null || return 0
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-    kill -9 "$pid" 2>/dev/null || true
-}
-cleanup() {
-    for pid in "${started[@]}"; do stop "$pid"; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+OUT=$(cd "$OUT" && pwd) # absolute: Redis is told where to log from its own directory
+# $work, $started, stop and the exit traps.
+source scripts/bench_common.sh
 
 # ---- build ----------------------------------------------------------------------------------------
 
@@ -92,7 +80,7 @@ if [[ " $STORES " == *" redis "* ]]; then
         listening "$p" && continue
         REDIS_PORT=$p
         taskset -c "$SERVER_CPU" redis-server --port "$p" --bind 127.0.0.1 --save "" --appendonly no \
-            --dir "$work" --logfile "$PWD/$OUT/redis.log" --daemonize no &
+            --dir "$work" --logfile "$OUT/redis.log" --daemonize no &
         redis_pid=$!
         started+=("$redis_pid")
         for _ in $(seq 50); do
