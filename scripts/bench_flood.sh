@@ -12,7 +12,12 @@
 #
 # Environment: DURATION [10] s per run; FLOODS ["64 512"] flood connection counts; SERVER_CPU [0],
 # CLIENT_CPU [1]; PORT [19480]; OUT [target/bench-flood]; SKIP_BUILD=1 to use what is built;
-# TENANT_IN_DECISION [8]: `[overload] tenant_in_decision` (0 turns the per-worker tenant gate off).
+# TENANT_IN_DECISION [8]: `[overload] tenant_in_decision` (0 turns the per-worker tenant gate off);
+# LIGHT_PRIORITY [rt]: `rt` runs the light tenant's load generator at real-time priority (chrt -f 10;
+# it needs CAP_SYS_NICE, and falls back to `normal` with a warning without it), `normal` at the
+# default priority. Both load generators share the client core, and the flood's keeps it busy: at
+# normal priority the light one waits for that core after each answer arrives, and its latency then
+# includes the client core's scheduling delay, which says nothing of admitd.
 # Output: a Markdown table on stdout and in $OUT/results.md, the runs' JSON lines in $OUT/runs.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,12 +27,26 @@ SERVER_CPU=${SERVER_CPU:-0}
 CLIENT_CPU=${CLIENT_CPU:-1}
 PORT=${PORT:-19480}
 TENANT_IN_DECISION=${TENANT_IN_DECISION:-8}
+LIGHT_PRIORITY=${LIGHT_PRIORITY:-rt}
 OUT=${OUT:-target/bench-flood}
 for tool in taskset curl jq; do
     command -v "$tool" >/dev/null || { echo "bench_flood.sh: $tool is required" >&2; exit 1; }
 done
 mkdir -p "$OUT"
 : >"$OUT/runs.jsonl"
+light_prio=()
+case $LIGHT_PRIORITY in
+    rt)
+        if chrt -f 10 true 2>/dev/null; then
+            light_prio=(chrt -f 10)
+        else
+            echo "bench_flood.sh: cannot use real-time priority (chrt -f 10); the light tenant runs at normal priority" >&2
+            LIGHT_PRIORITY=normal
+        fi
+        ;;
+    normal) ;;
+    *) echo "bench_flood.sh: LIGHT_PRIORITY must be rt or normal, not '$LIGHT_PRIORITY'" >&2; exit 2 ;;
+esac
 
 if [[ -z ${SKIP_BUILD:-} ]]; then
     cargo build --release --bin admitd
@@ -62,7 +81,7 @@ rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$admitd/status"; }
 
 # light LABEL: the light tenant at 20 calls/s for DURATION seconds; its JSON line on stdout.
 light() {
-    taskset -c "$CLIENT_CPU" "$LOADGEN" --url "http://127.0.0.1:$PORT" --tenant-prefix light \
+    "${light_prio[@]}" taskset -c "$CLIENT_CPU" "$LOADGEN" --url "http://127.0.0.1:$PORT" --tenant-prefix light \
         --mode admit-release --tenants 1 --subjects 20 --rate 20 --connections 1 --warmup 1 --duration "$DURATION" \
         --label "$1" --json 2>/dev/null | tee -a "$OUT/runs.jsonl"
 }
@@ -91,7 +110,8 @@ for conns in $FLOODS; do
 done
 
 {
-    echo "light tenant idle: p50 $(jq -r '.latency.p50_us / 1000' <<<"$idle") ms, p99 $(jq -r '.latency.p99_us / 1000' <<<"$idle") ms, $(jq -r '.requests' <<<"$idle") calls, $(jq -r '.other_status + .errors' <<<"$idle") lost; admitd RSS idle $((idle_rss / 1024)) MiB"
+    echo "light tenant's load generator at $LIGHT_PRIORITY priority"
+    echo "light tenant idle: p50 $(jq -r '.latency.p50_us / 10 | round / 100' <<<"$idle") ms, p99 $(jq -r '.latency.p99_us / 10 | round / 100' <<<"$idle") ms, $(jq -r '.requests' <<<"$idle") calls, $(jq -r '.other_status + .errors' <<<"$idle") lost; admitd RSS idle $((idle_rss / 1024)) MiB"
     echo
     echo "| flood connections | flood calls/s | flood 429s | longest flood call (ms) | light p99 (ms) | light calls lost (503/error) | peak RSS (MiB) |"
     echo "|---|---|---|---|---|---|---|"
