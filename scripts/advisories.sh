@@ -3,12 +3,14 @@
 # copy of the database (a clone of https://github.com/rustsec/advisory-db), for machines that cannot
 # fetch it. Exceptions are in deny.toml's [advisories] section, each with its reason.
 #
-# Usage: scripts/advisories.sh DIR      DIR: the advisory-db checkout (a git clone)
+# Usage: scripts/advisories.sh DIR      DIR: a git clone of the advisory-db (checkout or bare)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 db=${1:?usage: scripts/advisories.sh ADVISORY_DB_CHECKOUT}
-[ -d "$db/crates" ] || { echo "advisories.sh: $db holds no advisory database (no crates/)" >&2; exit 2; }
+# A checkout or a bare clone: either is cloned below, so only its committed tree counts.
+git -C "$db" cat-file -e HEAD:crates 2>/dev/null ||
+  { echo "advisories.sh: $db holds no advisory database (no git repository with crates/)" >&2; exit 2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
