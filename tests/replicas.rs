@@ -663,3 +663,178 @@ fn redis_stopped_under_load_and_started_again_leaves_nothing_stuck() {
     assert_eq!(inflight(&d, "acme"), 0);
     assert!(!d.log_lines().iter().any(|l| l.contains("panicked")));
 }
+
+/// `cmdstat_evalsha`'s call count: the script calls Redis has run.
+fn script_calls(redis: &RedisServer) -> u64 {
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn calls_queued_while_redis_is_busy_share_script_calls_and_each_is_decided_once() {
+    let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 40\nconcurrency = 100\n[limits.tenant]\nconcurrency = 100\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"3s\"\n",
+        redis.url()
+    ));
+    assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    let before = script_calls(&redis);
+    let callers = 48;
+    let answers = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        // Redis is busy for 400 ms: every call made meanwhile waits in the replica's queue.
+        s.spawn(|| redis.cli(&["DEBUG", "SLEEP", "0.4"]));
+        std::thread::sleep(Duration::from_millis(50));
+        for _ in 0..callers {
+            let (d, answers) = (&d, &answers);
+            s.spawn(move || {
+                let a = d.admit(call("acme", "bot"));
+                answers.lock().unwrap().push(a);
+            });
+        }
+    });
+    let answers = answers.into_inner().unwrap();
+    let admitted: Vec<&str> = answers
+        .iter()
+        .filter(|a| a.status == 200)
+        .map(|a| a.body["lease_id"].as_str().unwrap())
+        .collect();
+    let refused = answers.iter().filter(|a| a.status == 429).count();
+    assert_eq!(
+        (admitted.len(), refused),
+        (39, callers - 39),
+        "the burst left after the first call, exactly: {:?}",
+        answers.iter().map(|a| a.status).collect::<Vec<_>>()
+    );
+    let made = script_calls(&redis) - before;
+    assert!(
+        made <= callers as u64 / 2,
+        "{callers} decisions queued together took {made} script calls"
+    );
+    for lease in &admitted {
+        assert_eq!(d.release(lease).status, 200);
+    }
+    let snap = d.get("/v1/tenants/acme");
+    assert_eq!(
+        snap.body["inflight"], 1,
+        "only the first call's lease: {}",
+        snap.body
+    );
+    // Released twice: unknown the second time, in a batch as alone.
+    assert_eq!(d.release(admitted[0]).status, 404);
+}
+
+#[test]
+fn a_failing_operation_in_a_batch_answers_an_error_for_itself_only() {
+    let redis = RedisServer::start();
+    let script = include_str!("../src/store/admitd.lua");
+    let upstream = json!({
+        "u": {"n": "crm", "p": "t:{t:a}:pen:crm", "s": "t:{t:a}:up:crm", "aw": 0, "forget": 1e6, "x": false},
+        "limited": true, "retry_after": 2e6, "default_penalty": 1e6
+    })
+    .to_string();
+    let out = redis.cli(&[
+        "EVAL", script, "1", "t:{t:a}", "batch", "nope", "{}", "", "decide", "{}", "", "upstream",
+        &upstream, "",
+    ]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 6, "three answers of two parts each: {out}");
+    assert_eq!(lines[0], "error", "{out}");
+    assert!(lines[1].contains("unknown operation nope"), "{out}");
+    assert_eq!(lines[2], "error", "a spec the script cannot read: {out}");
+    assert_eq!(
+        (lines[4], lines[5]),
+        ("ok", "2000000"),
+        "the operation after them still runs: {out}"
+    );
+    let until: f64 = redis
+        .cli(&["HGET", "t:{t:a}:pen:crm", "until"])
+        .parse()
+        .unwrap();
+    assert!(until > 0.0, "the penalty is stored");
+}
+
+#[test]
+fn a_lease_stored_in_the_earlier_layout_is_released_and_refunded() {
+    let redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 5\nconcurrency = 2\n{}",
+        store(&redis.url(), false, "")
+    ));
+    // A lease of the layout before the lease data moved to one field: every part in a field.
+    assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    let id = 0xfeed_u64;
+    let key = format!("admitd:{{t:acme}}:l:{id:016x}");
+    let started = redis
+        .cli(&["TIME"])
+        .lines()
+        .next()
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1_000_000;
+    let zset = "admitd:{t:acme}:c:s:bot";
+    for z in [zset, "admitd:{t:acme}:c:t"] {
+        redis.cli(&[
+            "ZADD",
+            z,
+            &format!("{}", started + 60_000_000),
+            &format!("{id:016x}"),
+        ]);
+    }
+    redis.cli(&[
+        "HSET",
+        &key,
+        "subject",
+        "bot",
+        "tool",
+        "search",
+        "cost",
+        "1",
+        "day",
+        "0",
+        "hold_until",
+        &format!("{}", started + 30_000_000),
+        "started",
+        &started.to_string(),
+        "incs",
+        "[[\"admitd:{t:acme}:b:s:bot\",3600000000]]",
+        "quotas",
+        "[]",
+        "zsets",
+        &format!("[\"{zset}\",\"admitd:{{t:acme}}:c:t\"]"),
+        "up",
+        "[]",
+    ]);
+    redis.cli(&["PEXPIRE", &key, "60000"]);
+    let snap = d.get("/v1/tenants/acme");
+    assert_eq!(snap.body["inflight"], 2, "{}", snap.body);
+    let lease = admitd::api::lease::encode("acme", id);
+    // Cancelled while still held: its token comes back, and its slot is free.
+    let a = d.post(
+        "/v1/release",
+        json!({"lease_id": lease, "outcome": "cancelled"}),
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        redis.cli(&["ZCARD", zset]),
+        "1",
+        "only the lease admitted above"
+    );
+    let snap = d.get("/v1/tenants/acme");
+    assert_eq!(snap.body["inflight"], 1, "{}", snap.body);
+    let bot = snap.body["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["layer"] == "subject" && b["key"] == "bot")
+        .cloned()
+        .unwrap();
+    // One token spent by the admission above, one (an hour of this rate) refunded by the release.
+    assert_eq!(bot["tokens"], 5, "{bot}");
+}

@@ -22,8 +22,8 @@ use super::tenant::{truly_admitted, Admit, AdmitReply, TenantActor};
 use crate::clock::{Nanos, NS_PER_MS};
 use crate::config::OnError;
 use crate::engine::{
-    Decision, ReleaseInfo, Released, RemoteCall, RemoteOutcome, TenantEngine, TenantSnapshot,
-    UnknownLease, Verdict,
+    Decision, ReleaseInfo, Released, RemoteAnswer, RemoteCall, RemoteOutcome, TenantEngine,
+    TenantSnapshot, UnknownLease, Verdict,
 };
 use crate::store::{RedisStore, Refund, StoreMode};
 use crate::telemetry::names;
@@ -32,6 +32,12 @@ use crate::telemetry::names;
 /// slot freed by another replica is seen within the longer.
 const BUSY_POLL_MIN: Duration = Duration::from_millis(10);
 const BUSY_POLL_MAX: Duration = Duration::from_millis(100);
+
+/// How often a replica records a subject it sees again in the tenant's subject index. The index
+/// orders subjects by their last admission over the last day (for `/v1/tenants/{tenant}`), so a
+/// minute's staleness does not change what it shows; recording every call cost three of the
+/// script's commands per admission.
+const INDEX_EVERY: Nanos = 60 * 1_000_000_000;
 
 /// A tenant actor's part in a shared store.
 pub struct Remote {
@@ -42,6 +48,10 @@ pub struct Remote {
     pub(super) detached: HashMap<u64, Nanos>,
     /// Calls handed to the store and not answered yet: the actor does not stop while any is.
     pub(super) in_store: u32,
+    /// When this replica last recorded each subject in the store's subject index.
+    indexed: HashMap<Arc<str>, Nanos>,
+    /// When `indexed` was last cleared of entries older than [`INDEX_EVERY`].
+    indexed_pruned: Nanos,
 }
 
 impl Remote {
@@ -51,7 +61,27 @@ impl Remote {
             planner,
             detached: HashMap::new(),
             in_store: 0,
+            indexed: HashMap::new(),
+            indexed_pruned: 0,
         }
+    }
+
+    /// Whether a call of `subject` should record it in the subject index: its first admission on
+    /// this replica does, then one every [`INDEX_EVERY`].
+    fn index_due(&self, subject: &str, now: Nanos) -> bool {
+        self.indexed
+            .get(subject)
+            .is_none_or(|&at| now.saturating_sub(at) >= INDEX_EVERY)
+    }
+
+    /// Notes that an admission of `subject` recorded it in the index.
+    fn indexed(&mut self, subject: &Arc<str>, now: Nanos) {
+        if now.saturating_sub(self.indexed_pruned) >= INDEX_EVERY {
+            self.indexed
+                .retain(|_, at| now.saturating_sub(*at) < INDEX_EVERY);
+            self.indexed_pruned = now;
+        }
+        self.indexed.insert(Arc::clone(subject), now);
     }
 }
 
@@ -72,7 +102,8 @@ impl TenantActor {
         }
         match self.remote().planner.plan_remote(&msg.req, now) {
             Err(decided) => self.answer(msg.reply, decided),
-            Ok(call) => {
+            Ok(mut call) => {
+                call.index = self.remote().index_due(&call.subject, now);
                 let deadline = now.saturating_add(msg.req.max_wait_ns);
                 self.ask_store(Arc::new(call), msg, now, deadline, ctx);
             }
@@ -102,6 +133,9 @@ impl TenantActor {
                 // This call follows on_error; the store is marked down after repeated failures.
                 Err(_) => return act.without_store(msg, now, wall, ctx),
             };
+            if call.index && matches!(answer, RemoteAnswer::Admitted { .. }) {
+                act.remote().indexed(&call.subject, now);
+            }
             match act.remote().planner.interpret_remote(&call, answer) {
                 RemoteOutcome::Decided(mut d) => {
                     // A call that asked again waited for a slot until now.

@@ -1,9 +1,13 @@
 -- admitd's shared-store script: every state change of an admission decision, run atomically inside
 -- Redis. Loaded once per connection and called by its SHA (EVALSHA; reloaded on NOSCRIPT).
 --
--- ARGV[1] names the operation, ARGV[2] is its JSON spec (built by src/store/redis.rs). Every key the
--- script touches is named in the spec; KEYS[1] is one of them, so that Redis Cluster routes the
--- call to the shard that holds them all (every key of one call shares one hash tag).
+-- ARGV[1] names the operation, ARGV[2] is its JSON spec (built by src/store/redis.rs) and ARGV[3]
+-- what a lease keeps for its release (JSON, stored as is). Or ARGV[1] is `batch` and the rest are
+-- triples of the same (operation, spec, lease data): several decisions of one replica in one call,
+-- each all or nothing on its own, answered in order (an error answers `{'error', message}` for its
+-- own operation only). Every key the script touches is named in the spec; KEYS[1] is one of them,
+-- so that Redis Cluster routes the call to the shard that holds them all (every key of one call
+-- shares one hash tag; a cluster is never sent batches).
 --
 -- Time is the store's own (TIME), in microseconds since the Unix epoch, so replicas whose clocks
 -- disagree still enforce one limit. Microseconds keep every instant exact in a Lua double for
@@ -19,7 +23,7 @@
 --   snapshot read a tenant's state for GET /v1/tenants/{tenant}
 
 local op = ARGV[1]
-local spec = cjson.decode(ARGV[2])
+local spec, extra -- the operation's spec and lease data, set for each operation of a batch
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
@@ -33,7 +37,10 @@ local function num(x, d)
   return tonumber(x) or d
 end
 
+-- Integral values (every instant and most durations: microseconds) print as integers, which costs
+-- a fraction of a 17-digit float; 2^53 bounds the doubles that are exact integers.
 local function fmt(x)
+  if x == math.floor(x) and x < 9e15 and x > -9e15 then return string.format('%d', x) end
   return string.format('%.17g', x)
 end
 
@@ -118,9 +125,8 @@ end
 local function shed(scope, wait, booked, account_wide, layer, report)
   if spec.shadow and spec.lease ~= '' then
     -- Shadow mode admits the call without spending anything: its lease holds no slot and no token.
-    redis.call('HSET', spec.lease, 'subject', spec.subject, 'tool', spec.tool, 'cost', '0',
-      'day', '0', 'hold_until', '0', 'started', fmt(now), 'incs', '[]', 'quotas', '[]', 'zsets', '[]',
-      'up', cjson.encode(spec.up))
+    redis.call('HSET', spec.lease, 'd', extra, 'nothing', '1', 'day', '0', 'hold_until', '0',
+      'started', fmt(now), 'incs', '[]')
     expire_at(spec.lease, now + spec.ttl)
   end
   local r = {'shed', scope, fmt(math.max(wait, 0)), tostring(booked), tostring(account_wide), tostring(layer)}
@@ -197,7 +203,7 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
   return penalty
 end
 
-if op == 'decide' then
+local function op_decide()
   local st = read_layers(spec.layers, spec.forget)
 
   -- Upstream penalty: refused until the upstream's Retry-After has passed, promised the slot of the
@@ -313,17 +319,12 @@ if op == 'decide' then
       redis.call('ZADD', c.k, fmt(ends), spec.id)
       expire_at(c.k, ends + GRACE)
     end
+    -- What the release needs: `d` as admitd wrote it (subject, tool, cost, the layers' keys, the
+    -- quota and concurrency keys, the upstreams), and what was decided here: each layer's tokens.
     local incs = {}
-    for i, l in ipairs(spec.layers) do incs[#incs + 1] = {l.k, st[i].inc} end
-    local quotas = {}
-    for _, q in ipairs(spec.quota) do quotas[#quotas + 1] = q.k end
-    local zsets = {}
-    for _, c in ipairs(spec.conc) do zsets[#zsets + 1] = c.k end
-    redis.call('HSET', spec.lease,
-      'subject', spec.subject, 'tool', spec.tool, 'cost', fmt(spec.cost),
-      'day', tostring(day), 'hold_until', fmt(now + hold), 'started', fmt(now),
-      'incs', cjson.encode(incs), 'quotas', cjson.encode(quotas), 'zsets', cjson.encode(zsets),
-      'up', cjson.encode(spec.up))
+    for i = 1, #spec.layers do incs[i] = fmt(st[i].inc) end
+    redis.call('HSET', spec.lease, 'd', extra, 'day', tostring(day), 'hold_until', fmt(now + hold),
+      'started', fmt(now), 'incs', '[' .. table.concat(incs, ',') .. ']')
     expire_at(spec.lease, ends)
   end
   if spec.index ~= '' then
@@ -344,25 +345,43 @@ local function refund(incs)
   end
 end
 
-if op == 'release' then
+-- A lease's hash as the release reads it: `d` (what admitd stored) and the decided fields. A lease
+-- written before `d` existed keeps every part in a field of its own; it reads the same.
+local function lease_data(l)
+  if l.d == nil then
+    return {subject = l.subject, tool = l.tool, cost = tonumber(l.cost), quotas = cjson.decode(l.quotas),
+      zsets = cjson.decode(l.zsets), up = cjson.decode(l.up)}, cjson.decode(l.incs)
+  end
+  local d = cjson.decode(l.d)
+  local incs = {}
+  if l.nothing == nil then
+    for i, v in ipairs(cjson.decode(l.incs)) do incs[i] = {d.keys[i], v} end
+  else
+    d.cost, d.quotas, d.zsets = 0, {}, {}
+  end
+  return d, incs
+end
+
+local function op_release()
   local h = redis.call('HGETALL', spec.lease)
   if #h == 0 then return {'unknown'} end
   local l = {}
   for i = 1, #h, 2 do l[h[i]] = h[i + 1] end
   redis.call('DEL', spec.lease)
-  for _, z in ipairs(cjson.decode(l.zsets)) do redis.call('ZREM', z, spec.id) end
+  local d, incs = lease_data(l)
+  for _, z in ipairs(d.zsets) do redis.call('ZREM', z, spec.id) end
   -- refund: 'always' (a held caller went away), 'never' (an edge admission ends), or 'hold' (a
   -- cancellation refunds only while the call was still held: after that the call ran).
   local give_back = spec.refund == 'always' or (spec.refund == 'hold' and now < tonumber(l.hold_until))
   if give_back then
-    refund(cjson.decode(l.incs))
-    for _, q in ipairs(cjson.decode(l.quotas)) do
+    refund(incs)
+    for _, q in ipairs(d.quotas) do
       local used = num(redis.call('HGET', q, l.day), 0)
-      redis.call('HSET', q, l.day, fmt(math.max(used - tonumber(l.cost), 0)))
+      redis.call('HSET', q, l.day, fmt(math.max(used - d.cost, 0)))
     end
   end
   local penalty = 0
-  local ups = cjson.decode(l.up)
+  local ups = d.up
   if spec.report then
     for i, u in ipairs(ups) do
       if i == 1 and not u.x then
@@ -372,10 +391,10 @@ if op == 'release' then
   end
   if spec.duration >= 0 then
     local rt = spec.rt_key
-    local avg = num(redis.call('HGET', rt, l.tool), nil)
-    local d = spec.duration
-    if avg then avg = 0.8 * avg + 0.2 * d else avg = d end
-    redis.call('HSET', rt, l.tool, fmt(avg))
+    local avg = num(redis.call('HGET', rt, d.tool), nil)
+    local dur = spec.duration
+    if avg then avg = 0.8 * avg + 0.2 * dur else avg = dur end
+    redis.call('HSET', rt, d.tool, fmt(avg))
     expire_at(rt, now + DAY)
   end
   local cross, name = '', ''
@@ -383,20 +402,20 @@ if op == 'release' then
     name = ups[1].n or ''
     if ups[1].x then cross = cjson.encode(ups[1]) end
   end
-  return {'released', fmt(penalty), l.subject, l.tool, name, cross, l.hold_until, fmt(now)}
+  return {'released', fmt(penalty), d.subject, d.tool, name, cross, l.hold_until, fmt(now)}
 end
 
-if op == 'upstream' then
+local function op_upstream()
   local penalty = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty)
   return {'ok', fmt(penalty)}
 end
 
-if op == 'refund' then
+local function op_refund()
   refund(spec.incs)
   return {'ok'}
 end
 
-if op == 'snapshot' then
+local function op_snapshot()
   -- Empty key names are skipped (a cluster reads cross-tenant upstreams in a second call).
   local day = tostring(math.floor(now / DAY))
   local function tat(k) if k == '' then return 0 end return num(redis.call('HGET', k, 'tat'), 0) end
@@ -428,4 +447,27 @@ if op == 'snapshot' then
   return cjson.encode(out)
 end
 
-return redis.error_reply('admitd: unknown operation ' .. tostring(op))
+local ops = {decide = op_decide, release = op_release, upstream = op_upstream, refund = op_refund,
+  snapshot = op_snapshot}
+
+local function run(name, body, data)
+  local f = ops[name]
+  if f == nil then return redis.error_reply('admitd: unknown operation ' .. tostring(name)) end
+  spec, extra = cjson.decode(body), data or ''
+  return f()
+end
+
+if op == 'batch' then
+  local out = {}
+  for i = 2, #ARGV, 3 do
+    local ok, r = pcall(run, ARGV[i], ARGV[i + 1], ARGV[i + 2])
+    if not ok or (type(r) == 'table' and r.err) then
+      if type(r) == 'table' and r.err then r = r.err end
+      r = {'error', tostring(r)}
+    end
+    out[#out + 1] = r
+  end
+  return out
+end
+
+return run(op, ARGV[2], ARGV[3])

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
+use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::keys::{hash_tag, Keys};
@@ -34,6 +35,12 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(500);
 const FAILURES_TO_DOWN: u32 = 3;
 /// The penalty of a 429 reported without a Retry-After.
 const DEFAULT_PENALTY_US: f64 = 1e6;
+
+/// How long an upstream's AIMD cut is remembered when the call does not say (microseconds).
+const FORGET_US: f64 = 120e6;
+/// The most operations one script call carries (see [`RedisStore::batcher`]): a batch keeps Redis
+/// busy for about this many decisions, so this also bounds how long one batch delays others.
+const MAX_BATCH: usize = 32;
 
 const SCRIPT: &str = include_str!("admitd.lua");
 
@@ -108,6 +115,8 @@ pub struct RedisStore {
     runtime: tokio::runtime::Handle,
     telemetry: Telemetry,
     last_error: parking_lot::Mutex<String>,
+    /// Operations for the batcher (one server; a cluster calls per operation).
+    batches: tokio::sync::mpsc::UnboundedSender<Queued>,
 }
 
 impl RedisStore {
@@ -144,6 +153,7 @@ impl RedisStore {
         let runtime = rx
             .recv()
             .map_err(|_| "the store thread ended at start".to_string())??;
+        let (batches, queue) = tokio::sync::mpsc::unbounded_channel();
         let store = Arc::new(RedisStore {
             keys: Keys::new(&cfg.key_prefix),
             cfg: cfg.clone(),
@@ -156,7 +166,9 @@ impl RedisStore {
             runtime,
             telemetry,
             last_error: parking_lot::Mutex::new("not connected yet".into()),
+            batches,
         });
+        store.runtime.spawn(Arc::clone(&store).batcher(queue));
         let first = Arc::clone(&store);
         let (tx, rx) = tokio::sync::oneshot::channel();
         store.runtime.spawn(async move {
@@ -325,39 +337,60 @@ impl RedisStore {
         }
     }
 
-    /// One call of the script, bounded by the timeout.
+    /// One operation of the script, bounded by the timeout. On one server it goes through the
+    /// batcher ([`RedisStore::batcher`]); a cluster gets one script call per operation, routed by
+    /// `route` to the shard of its keys.
     async fn invoke(
         self: &Arc<Self>,
         route: &str,
         op: &'static str,
-        spec: &Value,
+        spec: String,
+        data: String,
     ) -> Result<redis::Value, StoreError> {
         let Some(conns) = self.conns.load_full() else {
             return Err(StoreError::Connection(self.last_error.lock().clone()));
         };
-        let body = spec.to_string();
         let started = Instant::now();
-        let mut inv = self.script.key(route);
-        inv.arg(op).arg(body);
-        let call = async {
-            match &*conns {
-                Conns::Single(v) => {
-                    let i = self.next.fetch_add(1, Ordering::Relaxed) % v.len();
-                    inv.invoke_async::<redis::Value>(&mut v[i].clone()).await
+        let out = match &*conns {
+            Conns::Single(_) if op != "snapshot" => {
+                drop(conns);
+                let (answer, answered) = tokio::sync::oneshot::channel();
+                let queued = Queued {
+                    route: route.to_string(),
+                    op,
+                    spec,
+                    data,
+                    answer,
+                };
+                if self.batches.send(queued).is_err() {
+                    Err(StoreError::Connection("the store thread has ended".into()))
+                } else {
+                    match tokio::time::timeout(self.cfg.timeout, answered).await {
+                        Err(_) => Err(StoreError::Timeout),
+                        Ok(Err(_)) => Err(StoreError::Connection(
+                            "the store thread dropped the call".into(),
+                        )),
+                        Ok(Ok(r)) => r,
+                    }
                 }
-                Conns::Cluster(c) => inv.invoke_async::<redis::Value>(&mut c.clone()).await,
             }
-        };
-        let out = match tokio::time::timeout(self.cfg.timeout, call).await {
-            Err(_) => Err(StoreError::Timeout),
-            Ok(Err(e))
-                if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() =>
-            {
-                Err(StoreError::Connection(e.to_string()))
+            _ => {
+                let mut inv = self.script.key(route);
+                inv.arg(op).arg(spec).arg(data);
+                let call = async {
+                    match &*conns {
+                        Conns::Single(v) => {
+                            let i = self.next.fetch_add(1, Ordering::Relaxed) % v.len();
+                            inv.invoke_async::<redis::Value>(&mut v[i].clone()).await
+                        }
+                        Conns::Cluster(c) => inv.invoke_async::<redis::Value>(&mut c.clone()).await,
+                    }
+                };
+                match tokio::time::timeout(self.cfg.timeout, call).await {
+                    Err(_) => Err(StoreError::Timeout),
+                    Ok(r) => r.map_err(store_error),
+                }
             }
-            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout),
-            Ok(Err(e)) => Err(StoreError::Script(e.to_string())),
-            Ok(Ok(v)) => Ok(v),
         };
         self.telemetry
             .store_round_trip(started.elapsed().as_secs_f64());
@@ -368,19 +401,92 @@ impl RedisStore {
         out
     }
 
+    /// Sends the operations queued on one server in batches: one script call carries every operation
+    /// queued since the last one left, up to [`MAX_BATCH`], with at most `pool_size` (at least two)
+    /// batches in flight. Under light load a batch is one operation and leaves at once; under load
+    /// the operations that arrive while Redis runs a batch go together in the next, so the per-call
+    /// costs on both sides (the script call, a wake-up of this thread and of the caller's, a
+    /// command's framing) are paid once per batch. Each operation in a batch is still decided on
+    /// its own, all or nothing, and answered in order.
+    async fn batcher(self: Arc<Self>, mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>) {
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(self.cfg.pool_size.max(2)));
+        while let Some(first) = queue.recv().await {
+            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
+                return;
+            };
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match queue.try_recv() {
+                    Ok(q) => batch.push(q),
+                    Err(_) => break,
+                }
+            }
+            let me = Arc::clone(&self);
+            tokio::spawn(async move {
+                me.send_batch(batch).await;
+                drop(permit);
+            });
+        }
+    }
+
+    async fn send_batch(&self, mut batch: Vec<Queued>) {
+        let conns = self.conns.load_full();
+        let Some(Conns::Single(v)) = conns.as_deref() else {
+            let e = StoreError::Connection(self.last_error.lock().clone());
+            for q in batch {
+                let _ = q.answer.send(Err(e.clone()));
+            }
+            return;
+        };
+        let mut con = v[self.next.fetch_add(1, Ordering::Relaxed) % v.len()].clone();
+        if batch.len() == 1 {
+            let q = batch.remove(0);
+            let mut inv = self.script.key(&q.route);
+            inv.arg(q.op).arg(q.spec).arg(q.data);
+            let out = match tokio::time::timeout(self.cfg.timeout, inv.invoke_async(&mut con)).await
+            {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => r.map_err(store_error),
+            };
+            let _ = q.answer.send(out);
+            return;
+        }
+        let mut inv = self.script.key(&batch[0].route);
+        inv.arg("batch");
+        for q in &batch {
+            inv.arg(q.op).arg(&q.spec).arg(&q.data);
+        }
+        let out = match tokio::time::timeout(self.cfg.timeout, inv.invoke_async(&mut con)).await {
+            Err(_) => Err(StoreError::Timeout),
+            Ok(r) => r.map_err(store_error),
+        };
+        match out {
+            Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
+                for (q, item) in batch.into_iter().zip(items) {
+                    let _ = q.answer.send(batch_item(item));
+                }
+            }
+            other => {
+                let e = match other {
+                    Err(e) => e,
+                    Ok(v) => StoreError::Script(format!("unexpected answer to a batch: {v:?}")),
+                };
+                for q in batch {
+                    let _ = q.answer.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
     fn key(&self, tenant: &str, k: &StateKey) -> String {
         self.keys.key(tenant, k)
     }
 
-    /// The spec of the part of `call` whose keys are cross-tenant (`cross`) or the tenant's own.
-    /// `split`: whether the call is split in two parts (a cluster); otherwise one part has it all.
-    /// Returns the spec, the key that routes it and, per layer of the part, its index in the call.
-    fn decide_spec(
-        &self,
-        tenant: &str,
-        call: &RemoteCall,
-        part: Part,
-    ) -> (Value, String, Vec<usize>) {
+    /// The spec of the part of `call` whose keys are cross-tenant (`cross`) or the tenant's own, and
+    /// what its lease keeps for the release. `split`: whether the call is split in two parts (a
+    /// cluster); otherwise one part has it all. Returns the spec, the lease data, the key that routes
+    /// them and, per layer of the part, its index in the call.
+    fn decide_spec(&self, tenant: &str, call: &RemoteCall, part: Part) -> DecideParts {
         let keep = |k: &StateKey| match part {
             Part::All => true,
             Part::Tenant => !k.cross_tenant(),
@@ -393,15 +499,17 @@ impl RedisStore {
                 continue;
             }
             map.push(i);
-            layers.push(json!({
-                "k": self.key(tenant, &l.key),
-                "T": l.t_us,
-                "b": l.burst,
-                "n": l.tokens,
-                "hold": l.hold,
-                "m": l.aimd.as_ref().map_or(String::new(), |m| self.key(tenant, m)),
-                "f": l.forget_us,
-            }));
+            layers.push(LayerSpec {
+                k: self.key(tenant, &l.key),
+                t: l.t_us,
+                b: l.burst,
+                n: l.tokens,
+                hold: l.hold,
+                m: l.aimd
+                    .as_ref()
+                    .map_or(String::new(), |m| self.key(tenant, m)),
+                f: l.forget_us,
+            });
         }
         let local_index = |global: usize| {
             // 1-based in the part, 0 when the layer is in the other part.
@@ -412,104 +520,135 @@ impl RedisStore {
                 .position(|&g| g + 1 == global)
                 .map_or(0, |p| p + 1)
         };
-        let pen: Vec<Value> = call
+        let pen: Vec<PenaltySpec> = call
             .penalties
             .iter()
             .filter(|p| keep(&p.key))
-            .map(|p| {
-                json!({"k": self.key(tenant, &p.key), "layer": local_index(p.layer), "step": p.step_us})
+            .map(|p| PenaltySpec {
+                k: self.key(tenant, &p.key),
+                layer: local_index(p.layer),
+                step: p.step_us,
             })
             .collect();
-        let ad: Vec<Value> = call
+        let ad: Vec<AdaptiveSpec> = call
             .adaptive
             .iter()
             .filter(|a| keep(&a.key))
-            .map(|a| {
-                json!({"k": self.key(tenant, &a.key), "w": a.window_us, "K": a.k,
-                       "min": a.min_requests, "step": a.step_us})
+            .map(|a| AdaptiveSpec {
+                k: self.key(tenant, &a.key),
+                w: a.window_us,
+                big_k: a.k,
+                min: a.min_requests,
+                step: a.step_us,
             })
             .collect();
         let own = part != Part::Cross;
-        let conc: Vec<Value> = if own {
+        let conc: Vec<SlotsSpec> = if own {
             call.slots
                 .iter()
-                .map(|c| {
+                .map(|c| SlotsSpec {
+                    k: self.key(tenant, &c.key),
+                    cap: c.cap,
+                    sub: c.subject,
                     // The hint cursor of the scope, in the tenant's run-times hash.
-                    let cursor = if c.subject {
+                    cursor: if c.subject {
                         format!("cs:{}", call.subject)
                     } else {
                         "ct".to_string()
-                    };
-                    json!({"k": self.key(tenant, &c.key), "cap": c.cap, "sub": c.subject,
-                           "cursor": cursor})
+                    },
                 })
                 .collect()
         } else {
             Vec::new()
         };
-        let quota: Vec<Value> = if own {
+        let quota: Vec<QuotaSpec> = if own {
             call.quotas
                 .iter()
-                .map(|q| json!({"k": self.key(tenant, &q.key), "q": q.quota, "sub": q.subject}))
+                .map(|q| QuotaSpec {
+                    k: self.key(tenant, &q.key),
+                    q: q.quota,
+                    sub: q.subject,
+                })
                 .collect()
         } else {
             Vec::new()
         };
         let split = part != Part::All;
-        let up: Vec<Value> = call
-            .upstreams
-            .iter()
-            .map(|u| self.report_json(tenant, u, split && u.cross_tenant()))
-            .collect();
         let lease = if own {
             self.key(tenant, &StateKey::Lease(call.lease))
         } else {
             String::new()
         };
-        let spec = json!({
-            "lease": lease,
-            "id": format!("{:016x}", call.lease),
-            "subject": &*call.subject,
-            "tool": &*call.tool,
-            "cost": call.cost,
-            "max_wait": call.max_wait_us,
-            "ttl": call.ttl_us,
-            "shadow": call.shadow && own,
-            "returning": call.returning,
-            "rand": call.rand,
-            "floor": call.floor_us,
-            "forget": 120e6,
-            "pen": pen,
-            "ad": ad,
-            "conc": conc,
-            "quota": quota,
-            "layers": layers,
-            "up": up,
-            "rt": {"k": self.key(tenant, &StateKey::RunTimes), "f": &*call.tool},
-            "index": if own { self.key(tenant, &StateKey::SubjectIndex) } else { String::new() },
-        });
+        let data = LeaseData {
+            subject: &call.subject,
+            tool: &call.tool,
+            cost: call.cost,
+            keys: layers.iter().map(|l| l.k.as_str()).collect(),
+            quotas: quota.iter().map(|q| q.k.as_str()).collect(),
+            zsets: conc.iter().map(|c| c.k.as_str()).collect(),
+            up: call
+                .upstreams
+                .iter()
+                .map(|u| self.report_spec(tenant, u, split && u.cross_tenant()))
+                .collect(),
+        };
+        let data = serde_json::to_string(&data).unwrap_or_default();
+        let spec = DecideSpec {
+            lease,
+            id: format!("{:016x}", call.lease),
+            subject: &call.subject,
+            max_wait: call.max_wait_us,
+            ttl: call.ttl_us,
+            shadow: call.shadow && own,
+            returning: call.returning,
+            rand: call.rand,
+            floor: call.floor_us,
+            forget: FORGET_US,
+            cost: call.cost,
+            pen,
+            ad,
+            conc,
+            quota,
+            layers,
+            rt: RunTimesSpec {
+                k: self.key(tenant, &StateKey::RunTimes),
+                f: &call.tool,
+            },
+            index: if own && call.index {
+                self.key(tenant, &StateKey::SubjectIndex)
+            } else {
+                String::new()
+            },
+        };
         let route = match part {
             Part::Cross => format!("{}:route", self.keys.cross_base()),
             _ => self.keys.tenant_base(tenant),
         };
-        (spec, route, map)
+        DecideParts {
+            spec: serde_json::to_string(&spec).unwrap_or_default(),
+            data,
+            route,
+            map,
+        }
     }
 
-    fn report_json(&self, tenant: &str, u: &UpstreamReport, cross_part: bool) -> Value {
-        let mut v = json!({
-            "n": &*u.name,
-            "p": self.key(tenant, &u.penalty),
-            "s": self.key(tenant, &u.state),
-            "aw": u.adaptive_window_us,
-            "forget": u.forget_us,
-            "x": cross_part,
-        });
-        if let Some((f, fl, r)) = u.aimd {
-            v["af"] = json!(f);
-            v["afl"] = json!(fl);
-            v["ar"] = json!(r);
+    fn report_spec<'a>(
+        &self,
+        tenant: &str,
+        u: &'a UpstreamReport,
+        cross_part: bool,
+    ) -> ReportSpec<'a> {
+        ReportSpec {
+            n: &u.name,
+            p: self.key(tenant, &u.penalty),
+            s: self.key(tenant, &u.state),
+            aw: u.adaptive_window_us,
+            forget: u.forget_us,
+            x: cross_part,
+            af: u.aimd.map(|a| a.0),
+            afl: u.aimd.map(|a| a.1),
+            ar: u.aimd.map(|a| a.2),
         }
-        v
     }
 
     /// Decides a call: one round trip, or in a cluster two when the call spends cross-tenant state
@@ -525,12 +664,16 @@ impl RedisStore {
                 || call.penalties.iter().any(|p| p.key.cross_tenant())
                 || call.adaptive.iter().any(|a| a.key.cross_tenant()));
         if !cross {
-            let (spec, route, map) = self.decide_spec(&tenant, &call, Part::All);
-            let v = self.invoke(&route, "decide", &spec).await;
-            return parse_decide(v, &map, n);
+            let p = self.decide_spec(&tenant, &call, Part::All);
+            let v = self.invoke(&p.route, "decide", p.spec, p.data).await;
+            return parse_decide(v, &p.map, n);
         }
-        let (spec, route, map) = self.decide_spec(&tenant, &call, Part::Tenant);
-        let first = parse_decide(self.invoke(&route, "decide", &spec).await, &map, n)?;
+        let p = self.decide_spec(&tenant, &call, Part::Tenant);
+        let first = parse_decide(
+            self.invoke(&p.route, "decide", p.spec, p.data).await,
+            &p.map,
+            n,
+        )?;
         let RemoteAnswer::Admitted {
             hold_us: hold_a,
             layers: layers_a,
@@ -538,8 +681,12 @@ impl RedisStore {
         else {
             return Ok(first);
         };
-        let (spec, route, map) = self.decide_spec(&tenant, &call, Part::Cross);
-        let second = parse_decide(self.invoke(&route, "decide", &spec).await, &map, n);
+        let p = self.decide_spec(&tenant, &call, Part::Cross);
+        let second = parse_decide(
+            self.invoke(&p.route, "decide", p.spec, p.data).await,
+            &p.map,
+            n,
+        );
         match second {
             Ok(RemoteAnswer::Admitted { hold_us, layers }) => Ok(RemoteAnswer::Admitted {
                 hold_us: hold_us.max(hold_a),
@@ -613,7 +760,9 @@ impl RedisStore {
             "rt_key": self.key(&tenant, &StateKey::RunTimes),
         });
         let route = self.keys.tenant_base(&tenant);
-        let v = self.invoke(&route, "release", &spec).await?;
+        let v = self
+            .invoke(&route, "release", spec.to_string(), String::new())
+            .await?;
         let parts = strings(v)?;
         if parts.first().map(String::as_str) != Some("released") || parts.len() < 8 {
             return Ok(None);
@@ -625,7 +774,10 @@ impl RedisStore {
                 let spec = json!({"u": u, "limited": limited, "retry_after": retry_after,
                                   "default_penalty": DEFAULT_PENALTY_US});
                 let route = format!("{}:route", self.keys.cross_base());
-                if let Ok(v) = self.invoke(&route, "upstream", &spec).await {
+                if let Ok(v) = self
+                    .invoke(&route, "upstream", spec.to_string(), String::new())
+                    .await
+                {
                     if let Ok(p) = strings(v) {
                         penalty_us = p.get(1).and_then(|x| x.parse().ok()).unwrap_or(penalty_us);
                     }
@@ -653,7 +805,7 @@ impl RedisStore {
     ) -> Result<Option<Duration>, StoreError> {
         let limited = status == 429;
         let spec = json!({
-            "u": self.report_json(&tenant, &report, false),
+            "u": self.report_spec(&tenant, &report, false),
             "limited": limited,
             "retry_after": retry_after.map_or(-1.0, |d| d.as_micros() as f64),
             "default_penalty": DEFAULT_PENALTY_US,
@@ -668,7 +820,10 @@ impl RedisStore {
         } else {
             self.keys.tenant_base(&tenant)
         };
-        let parts = strings(self.invoke(&route, "upstream", &spec).await?)?;
+        let parts = strings(
+            self.invoke(&route, "upstream", spec.to_string(), String::new())
+                .await?,
+        )?;
         let us: f64 = parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0);
         Ok((us > 0.0).then(|| Duration::from_micros(us as u64)))
     }
@@ -708,7 +863,9 @@ impl RedisStore {
             "ups": if self.cfg.cluster { up_keys(false).1 } else { ups.clone() },
             "forget": 120e6,
         });
-        let v = self.invoke(&base, "snapshot", &spec).await?;
+        let v = self
+            .invoke(&base, "snapshot", spec.to_string(), String::new())
+            .await?;
         let text: String =
             redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))?;
         let raw: Value =
@@ -733,7 +890,9 @@ impl RedisStore {
                 "pens": pens, "ups": ups, "forget": 120e6,
             });
             let route = format!("{}:route", self.keys.cross_base());
-            let v = self.invoke(&route, "snapshot", &spec).await?;
+            let v = self
+                .invoke(&route, "snapshot", spec.to_string(), String::new())
+                .await?;
             let text: String =
                 redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))?;
             let cross: Value =
@@ -779,6 +938,127 @@ impl RedisStore {
     }
 }
 
+/// An operation waiting for the batcher.
+struct Queued {
+    route: String,
+    op: &'static str,
+    spec: String,
+    data: String,
+    answer: tokio::sync::oneshot::Sender<Result<redis::Value, StoreError>>,
+}
+
+/// A decision's part, as the script gets it.
+struct DecideParts {
+    spec: String,
+    data: String,
+    route: String,
+    /// Per layer of the part, its index in the call.
+    map: Vec<usize>,
+}
+
+// The script's `decide` spec, written straight from the call (the names are the script's).
+#[derive(Serialize)]
+struct DecideSpec<'a> {
+    lease: String,
+    id: String,
+    subject: &'a str,
+    cost: f64,
+    max_wait: f64,
+    ttl: f64,
+    shadow: bool,
+    returning: bool,
+    rand: f64,
+    floor: f64,
+    forget: f64,
+    pen: Vec<PenaltySpec>,
+    ad: Vec<AdaptiveSpec>,
+    conc: Vec<SlotsSpec>,
+    quota: Vec<QuotaSpec>,
+    layers: Vec<LayerSpec>,
+    rt: RunTimesSpec<'a>,
+    index: String,
+}
+
+#[derive(Serialize)]
+struct LayerSpec {
+    k: String,
+    #[serde(rename = "T")]
+    t: f64,
+    b: f64,
+    n: f64,
+    hold: bool,
+    m: String,
+    f: f64,
+}
+
+#[derive(Serialize)]
+struct PenaltySpec {
+    k: String,
+    layer: usize,
+    step: f64,
+}
+
+#[derive(Serialize)]
+struct AdaptiveSpec {
+    k: String,
+    w: f64,
+    #[serde(rename = "K")]
+    big_k: f64,
+    min: u64,
+    step: f64,
+}
+
+#[derive(Serialize)]
+struct SlotsSpec {
+    k: String,
+    cap: u32,
+    sub: bool,
+    cursor: String,
+}
+
+#[derive(Serialize)]
+struct QuotaSpec {
+    k: String,
+    q: f64,
+    sub: bool,
+}
+
+#[derive(Serialize)]
+struct RunTimesSpec<'a> {
+    k: String,
+    f: &'a str,
+}
+
+/// What a lease keeps for its release (the hash field `d`), stored as admitd writes it.
+#[derive(Serialize)]
+struct LeaseData<'a> {
+    subject: &'a str,
+    tool: &'a str,
+    cost: f64,
+    /// The bucket layers' keys, in the order of the tokens the script records beside them.
+    keys: Vec<&'a str>,
+    quotas: Vec<&'a str>,
+    zsets: Vec<&'a str>,
+    up: Vec<ReportSpec<'a>>,
+}
+
+/// An upstream as the script reads it to take its answer (penalty, AIMD, adaptive window).
+#[derive(Serialize)]
+struct ReportSpec<'a> {
+    n: &'a str,
+    p: String,
+    s: String,
+    aw: f64,
+    forget: f64,
+    x: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    af: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    afl: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ar: Option<f64>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Part {
     All,
@@ -792,6 +1072,33 @@ fn merge(a: Vec<(u64, f64)>, b: Vec<(u64, f64)>) -> Vec<(u64, f64)> {
         .zip(b)
         .map(|(x, y)| if x.1 < 0.0 { y } else { x })
         .collect()
+}
+
+/// A Redis client error as the store's.
+fn store_error(e: redis::RedisError) -> StoreError {
+    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
+        StoreError::Connection(e.to_string())
+    } else if e.is_timeout() {
+        StoreError::Timeout
+    } else {
+        StoreError::Script(e.to_string())
+    }
+}
+
+/// One operation's answer in a batch: what it returned, or `{'error', message}` when it failed.
+fn batch_item(v: redis::Value) -> Result<redis::Value, StoreError> {
+    if let redis::Value::Array(parts) = &v {
+        if let [redis::Value::BulkString(tag), rest @ ..] = parts.as_slice() {
+            if tag == b"error" {
+                let why = rest
+                    .first()
+                    .and_then(|m| redis::from_redis_value::<String>(m.clone()).ok())
+                    .unwrap_or_default();
+                return Err(StoreError::Script(why));
+            }
+        }
+    }
+    Ok(v)
 }
 
 fn strings(v: redis::Value) -> Result<Vec<String>, StoreError> {

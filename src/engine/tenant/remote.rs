@@ -150,6 +150,9 @@ pub struct RemoteCall {
     pub upstreams: Vec<UpstreamReport>,
     /// The call waited for a concurrency slot and asks again.
     pub asked_again: bool,
+    /// Record the subject in the tenant's subject index (what `/v1/tenants/{tenant}` lists). A
+    /// replica that recorded it recently leaves it out (see `actors::remote`).
+    pub index: bool,
     resolved: Resolved,
     plan: Vec<LayerPlan>,
 }
@@ -342,6 +345,7 @@ impl TenantEngine {
             layers,
             upstreams,
             asked_again: false,
+            index: true,
             resolved: r,
             plan,
         })
