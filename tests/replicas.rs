@@ -838,3 +838,70 @@ fn a_lease_stored_in_the_earlier_layout_is_released_and_refunded() {
     // One token spent by the admission above, one (an hour of this rate) refunded by the release.
     assert_eq!(bot["tokens"], 5, "{bot}");
 }
+
+/// Every key admitd writes has an expiry that covers what it holds: a set of leases lives until its
+/// last lease ends, a bucket until it is full again, and nothing lives forever, whether the key is
+/// new, emptied by releases and made again, or refused into.
+#[test]
+fn every_key_expires_and_outlives_what_it_holds() {
+    let redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[server]\nlease_ttl = \"40s\"\n[limits.subject]\nrate = \"1/h\"\nburst = 3\nconcurrency = 2\ndaily_quota = 100\n[limits.tenant]\nconcurrency = 10\n{}",
+        store(&redis.url(), false, "")
+    ));
+    let pttl = |key: &str| -> i64 { redis.cli(&["PTTL", key]).parse().unwrap() };
+    let subject_set = "admitd:{t:acme}:c:s:bot";
+    let tenant_set = "admitd:{t:acme}:c:t";
+    let bucket = "admitd:{t:acme}:b:s:bot";
+    // New keys.
+    let first = d.admit(call("acme", "bot"));
+    assert_eq!(first.status, 200, "{}", first.body);
+    for set in [subject_set, tenant_set] {
+        let left = pttl(set);
+        assert!(left >= 40_000, "{set} outlives its lease's 40 s: {left} ms");
+    }
+    let left = pttl(bucket);
+    assert!(
+        left >= 3_600_000 - 5_000,
+        "the bucket lives until it is full again (1 h): {left} ms"
+    );
+    // Emptied by the release (Redis drops an empty set) and made again by the next admission.
+    assert_eq!(
+        d.release(first.body["lease_id"].as_str().unwrap()).status,
+        200
+    );
+    assert_eq!(redis.cli(&["EXISTS", subject_set]), "0");
+    let second = d.admit(call("acme", "bot"));
+    assert_eq!(second.status, 200, "{}", second.body);
+    let left = pttl(subject_set);
+    assert!(
+        left >= 40_000,
+        "a set made again has its expiry again: {left} ms"
+    );
+    // Refused: at the concurrency cap, then past the burst (a promise is written into the bucket).
+    assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    assert_eq!(d.admit(call("acme", "bot")).status, 429);
+    for lease in redis.cli(&["ZRANGE", subject_set, "0", "-1"]).lines() {
+        let id = u64::from_str_radix(lease, 16).unwrap();
+        let lease = admitd::api::lease::encode("acme", id);
+        assert_eq!(d.release(&lease).status, 200);
+    }
+    let refused = d.admit(call("acme", "bot"));
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["scope"], "subject", "{}", refused.body);
+    // An upstream's 429 writes a penalty and its state.
+    assert_eq!(
+        d.post(
+            "/v1/feedback",
+            json!({"tenant": "acme", "upstream": "crm", "status": 429, "retry_after": "5"})
+        )
+        .status,
+        202
+    );
+    let keys = redis.cli(&["--scan", "--pattern", "admitd:*"]);
+    assert!(keys.lines().count() >= 5, "{keys}");
+    for key in keys.lines() {
+        let left = pttl(key);
+        assert!(left > 0, "{key} has no expiry: PTTL {left}");
+    }
+}

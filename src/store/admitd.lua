@@ -14,7 +14,12 @@
 -- centuries (2^53 us is 285 years).
 --
 -- Buckets are GCRA, as in the in-memory engine (src/engine/bucket.rs): a hash with `tat` (the
--- instant the bucket is full again) and `p` (the promise cursor that spreads retry hints).
+-- instant the bucket is full again), `p` (the promise cursor that spreads retry hints), and two
+-- expiry cursors: `x`, the instant the hash's own expiry was last pushed to, and `z`, the same for
+-- the concurrency set tied to the layer (the subject's or the tenant's). A key's expiry is pushed
+-- only when what it must outlive passes its cursor, and then [`SLACK`] beyond, so a busy key costs
+-- one PEXPIRE per SLACK instead of one per call. A key written without its cursor (no cursor, or
+-- a hash that expired and came back) reads 0 and is pushed at once.
 -- Operations:
 --   decide   check and spend every layer of one call, all or nothing; returns ok / shed / busy
 --   release  end a lease: free its slots, refund what a cancelled hold took, report the upstream
@@ -48,6 +53,29 @@ local function expire_at(key, at)
   local ms = math.ceil((at - now) / 1000)
   if ms < 1 then ms = 1 end
   redis.call('PEXPIRE', key, ms)
+end
+
+local SLACK = 10e6 -- how far past what it must outlive a key's expiry is pushed
+
+-- Makes `key` (which exists) live until at least `at`, given that its expiry was last pushed to
+-- `pushed`; returns the instant it lives until now.
+local function keep_until(key, at, pushed)
+  if pushed >= at then return pushed end
+  expire_at(key, at + SLACK)
+  return at + SLACK
+end
+
+-- Writes a bucket's fields (`...`: field, value pairs) and keeps it until `at`; records its expiry
+-- cursor when it moved.
+local function write_bucket(key, s, at, ...)
+  local x = math.max(s.x, 0)
+  if x < at then
+    redis.call('HSET', key, 'x', fmt(at + SLACK), ...)
+    expire_at(key, at + SLACK)
+    s.x = at + SLACK
+  else
+    redis.call('HSET', key, ...)
+  end
 end
 
 -- The AIMD multiplier of an upstream state hash (1 once a cut is older than `forget`).
@@ -102,10 +130,11 @@ local function read_layers(layers, forget)
     local T = l.T / m
     local tau = l.b * T
     local inc = math.floor(l.n * T)
-    local h = redis.call('HMGET', l.k, 'tat', 'p')
+    local h = redis.call('HMGET', l.k, 'tat', 'p', 'x', 'z')
     local tat, p = num(h[1], 0), num(h[2], 0)
     local short = math.max(math.max(tat, now) + inc - (now + tau), 0)
-    out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m}
+    out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m, x = num(h[3], 0),
+      z = num(h[4], 0)}
   end
   return out
 end
@@ -122,12 +151,20 @@ local function layer_report(layers, st, taken)
   return r
 end
 
+-- A lease is one string, `day|hold_until|started|[tokens per layer]|flags|d`, written with its
+-- expiry in one command and read and deleted by the release in one: `d` is what admitd wrote for the
+-- release (subject, tool, cost, the layers' keys, the quota and concurrency keys, the upstreams),
+-- the rest what was decided here; flag `n`: nothing to give back (shadow mode).
+local function write_lease(day, hold_until, incs, flags, ends)
+  local ms = math.max(math.ceil((ends - now) / 1000), 1)
+  redis.call('SET', spec.lease, day .. '|' .. fmt(hold_until) .. '|' .. fmt(now) .. '|' .. incs ..
+    '|' .. flags .. '|' .. extra, 'PX', ms)
+end
+
 local function shed(scope, wait, booked, account_wide, layer, report)
   if spec.shadow and spec.lease ~= '' then
     -- Shadow mode admits the call without spending anything: its lease holds no slot and no token.
-    redis.call('HSET', spec.lease, 'd', extra, 'nothing', '1', 'day', '0', 'hold_until', '0',
-      'started', fmt(now), 'incs', '[]')
-    expire_at(spec.lease, now + spec.ttl)
+    write_lease('0', 0, '[]', 'n', now + spec.ttl)
   end
   local r = {'shed', scope, fmt(math.max(wait, 0)), tostring(booked), tostring(account_wide), tostring(layer)}
   for _, v in ipairs(report) do r[#r + 1] = v end
@@ -219,8 +256,7 @@ local function op_decide()
     if pen.layer > 0 then
       local l, s = spec.layers[pen.layer], st[pen.layer]
       local cursor, w = promise_at(s.p, s.tat, untl, s.inc, s.tau)
-      redis.call('HSET', l.k, 'p', fmt(cursor))
-      expire_at(l.k, math.max(cursor, s.tat, untl) + GRACE)
+      write_bucket(l.k, s, math.max(cursor, s.tat, untl) + GRACE, 'p', fmt(cursor))
       wait = w
     else
       wait = stagger(pen.k, 'c', untl, pen.step, math.min(math.max(pen_wait, 1e6), HORIZON)) - now
@@ -240,11 +276,18 @@ local function op_decide()
     end
   end
 
-  -- Concurrency: a sorted set of live leases per scope, scored by their expiry, so a lease that is
-  -- never released (its replica died) frees its slot at its TTL without a sweeper.
+  -- Concurrency: a sorted set of leases per scope, scored by their expiry, so a lease that is never
+  -- released (its replica died) frees its slot at its TTL without a sweeper. Expired leases are
+  -- dropped before counting only when the count with them reaches the cap (below it, so is the
+  -- count without them), and on one call in 16 (the lease id's last hex digit) to bound the set.
+  local trim = string.sub(spec.id, -1) == '0'
   for _, c in ipairs(spec.conc) do
-    redis.call('ZREMRANGEBYSCORE', c.k, '-inf', fmt(now))
     local n = redis.call('ZCARD', c.k)
+    if n >= c.cap or (trim and n > 0) then
+      redis.call('ZREMRANGEBYSCORE', c.k, '-inf', fmt(now))
+      n = redis.call('ZCARD', c.k)
+    end
+    c.n = n
     if n >= c.cap then
       -- The slot expected to free first: each lease's start plus how long this tool's calls run.
       local run = num(redis.call('HGET', spec.rt.k, spec.rt.f), 1e6)
@@ -291,8 +334,7 @@ local function op_decide()
       -- count too, so the hint covers the whole path.
       local cursor, wait, booked = promise_at(s.p, s.tat, 0, s.inc, s.tau)
       if booked == 0 then
-        redis.call('HSET', l.k, 'p', fmt(cursor))
-        expire_at(l.k, math.max(cursor, s.tat) + GRACE)
+        write_bucket(l.k, s, math.max(cursor, s.tat) + GRACE, 'p', fmt(cursor))
       end
       for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
       local r = shed('layer', wait, booked, 0, i, layer_report(spec.layers, st, false))
@@ -302,11 +344,28 @@ local function op_decide()
     if s.short > hold then hold = s.short end
   end
 
+  -- The leases' sets first: a set's expiry cursor is written with its layer's bucket below. A set
+  -- that was empty is new (an empty set does not exist in Redis), so its expiry is pushed whatever
+  -- the cursor says.
+  local ends = now + hold + spec.ttl
+  if spec.lease ~= '' then
+    for _, c in ipairs(spec.conc) do
+      redis.call('ZADD', c.k, fmt(ends), spec.id)
+      local s = st[c.x]
+      local pushed = 0
+      if s and c.n > 0 then pushed = s.z end
+      local z = keep_until(c.k, ends + GRACE, pushed)
+      if s and z ~= s.z then s.nz = z end
+    end
+  end
   for i, l in ipairs(spec.layers) do
     local s = st[i]
     local tat = math.max(s.tat, now) + s.inc
-    redis.call('HSET', l.k, 'tat', fmt(tat))
-    expire_at(l.k, math.max(tat, s.p) + GRACE)
+    if s.nz then
+      write_bucket(l.k, s, math.max(tat, s.p) + GRACE, 'tat', fmt(tat), 'z', fmt(s.nz))
+    else
+      write_bucket(l.k, s, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
+    end
   end
   for _, q in ipairs(spec.quota) do
     redis.call('HINCRBYFLOAT', q.k, tostring(day), fmt(spec.cost))
@@ -314,18 +373,9 @@ local function op_decide()
   end
   local report = layer_report(spec.layers, st, true)
   if spec.lease ~= '' then
-    local ends = now + hold + spec.ttl
-    for _, c in ipairs(spec.conc) do
-      redis.call('ZADD', c.k, fmt(ends), spec.id)
-      expire_at(c.k, ends + GRACE)
-    end
-    -- What the release needs: `d` as admitd wrote it (subject, tool, cost, the layers' keys, the
-    -- quota and concurrency keys, the upstreams), and what was decided here: each layer's tokens.
     local incs = {}
     for i = 1, #spec.layers do incs[i] = fmt(st[i].inc) end
-    redis.call('HSET', spec.lease, 'd', extra, 'day', tostring(day), 'hold_until', fmt(now + hold),
-      'started', fmt(now), 'incs', '[' .. table.concat(incs, ',') .. ']')
-    expire_at(spec.lease, ends)
+    write_lease(tostring(day), now + hold, '[' .. table.concat(incs, ',') .. ']', '', ends)
   end
   if spec.index ~= '' then
     redis.call('ZADD', spec.index, fmt(now), spec.subject)
@@ -363,11 +413,22 @@ local function lease_data(l)
 end
 
 local function op_release()
-  local h = redis.call('HGETALL', spec.lease)
-  if #h == 0 then return {'unknown'} end
   local l = {}
-  for i = 1, #h, 2 do l[h[i]] = h[i + 1] end
-  redis.call('DEL', spec.lease)
+  local v = redis.pcall('GETDEL', spec.lease)
+  if type(v) == 'table' and v.err then
+    -- Not a string: a lease of an earlier layout, a hash.
+    local h = redis.call('HGETALL', spec.lease)
+    if #h == 0 then return {'unknown'} end
+    for i = 1, #h, 2 do l[h[i]] = h[i + 1] end
+    redis.call('DEL', spec.lease)
+  elseif not v then
+    return {'unknown'}
+  else
+    local day, hu, started, incs, flags, d = string.match(v, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+    if not d then return redis.error_reply('admitd: unreadable lease ' .. spec.lease) end
+    l = {day = day, hold_until = hu, started = started, incs = incs, d = d}
+    if flags == 'n' then l.nothing = '1' end
+  end
   local d, incs = lease_data(l)
   for _, z in ipairs(d.zsets) do redis.call('ZREM', z, spec.id) end
   -- refund: 'always' (a held caller went away), 'never' (an edge admission ends), or 'hold' (a

@@ -550,6 +550,7 @@ impl RedisStore {
                     k: self.key(tenant, &c.key),
                     cap: c.cap,
                     sub: c.subject,
+                    x: tied_layer(call, &map, c.subject),
                     // The hint cursor of the scope, in the tenant's run-times hash.
                     cursor: if c.subject {
                         format!("cs:{}", call.subject)
@@ -1013,7 +1014,22 @@ struct SlotsSpec {
     k: String,
     cap: u32,
     sub: bool,
+    /// The layer (1-based in the part, 0: none) whose bucket hash keeps this set's expiry cursor.
+    x: usize,
     cursor: String,
+}
+
+/// The layer of a part (`map`: the call's index of each) whose bucket hash keeps the expiry cursor
+/// of a concurrency set: the subject's bucket for the subject's set, the tenant's for the tenant's.
+/// 1-based; 0 when the part has no such layer (the script then pushes the set's expiry every time).
+fn tied_layer(call: &RemoteCall, map: &[usize], subject: bool) -> usize {
+    map.iter()
+        .position(|&i| match &call.layers[i].key {
+            StateKey::SubjectBucket(s) => subject && *s == call.subject,
+            StateKey::TenantBucket => !subject,
+            _ => false,
+        })
+        .map_or(0, |p| p + 1)
 }
 
 #[derive(Serialize)]
