@@ -1,10 +1,14 @@
 //! The Redis store: admission state shared by every replica that points at the same Redis (or Redis
 //! Cluster), decided by one server-side script per call (`admitd.lua`).
 //!
-//! Connections live on a thread of their own (`admitd-store`, a single-threaded tokio runtime) so a
-//! busy worker never delays another worker's replies from Redis. A multiplexed connection carries
-//! every call sent on it at once: the calls of one tenant actor, and of every actor on the process,
-//! are pipelined onto `pool_size` connections without waiting for each other's answers.
+//! On one server, each worker thread sends its decisions and releases on a connection of its own,
+//! driven on that worker (its *lane*): the operations queued while Redis runs a batch go together
+//! in the next script call, so under load a script call carries many decisions and an answer wakes
+//! the worker that waits for it with no other thread between. The store's own thread
+//! (`admitd-store`, a single-threaded tokio runtime) connects, probes a store that went down, and
+//! carries snapshots on `pool_size` connections; in a Redis Cluster it carries every call (one
+//! script call per operation, routed to the shard of its keys), pipelined on the cluster
+//! connection.
 //!
 //! Failures: every call is bounded by `[store] timeout`. A broken connection, or three failed calls
 //! in a row, marks the store down: connections are dropped, calls go straight to the `on_error`
@@ -76,8 +80,28 @@ impl std::fmt::Display for StoreError {
 }
 
 enum Conns {
-    Single(Vec<redis::aio::MultiplexedConnection>),
+    /// One server: the client each worker's lane connects with (`generation` counts the store's
+    /// connections, so a lane made before a reconnection is made again), and `pool_size`
+    /// connections of the store's thread for the rest (snapshots, probes).
+    Single {
+        client: redis::Client,
+        pool: Vec<redis::aio::MultiplexedConnection>,
+        generation: u64,
+    },
     Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// A worker thread's way to one server: a connection of its own, driven on that thread, and the
+/// queue of its batcher (see [`RedisStore::lane`]).
+struct Lane {
+    /// The store it belongs to (its address) and the connection generation it was made in.
+    store: usize,
+    generation: u64,
+    queue: tokio::sync::mpsc::UnboundedSender<Queued>,
+}
+
+thread_local! {
+    static LANES: std::cell::RefCell<Vec<Lane>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// What a release did in the store.
@@ -115,8 +139,8 @@ pub struct RedisStore {
     runtime: tokio::runtime::Handle,
     telemetry: Telemetry,
     last_error: parking_lot::Mutex<String>,
-    /// Operations for the batcher (one server; a cluster calls per operation).
-    batches: tokio::sync::mpsc::UnboundedSender<Queued>,
+    /// Connections made so far (see [`Conns::Single`]).
+    generation: std::sync::atomic::AtomicU64,
 }
 
 impl RedisStore {
@@ -153,7 +177,6 @@ impl RedisStore {
         let runtime = rx
             .recv()
             .map_err(|_| "the store thread ended at start".to_string())??;
-        let (batches, queue) = tokio::sync::mpsc::unbounded_channel();
         let store = Arc::new(RedisStore {
             keys: Keys::new(&cfg.key_prefix),
             cfg: cfg.clone(),
@@ -166,9 +189,8 @@ impl RedisStore {
             runtime,
             telemetry,
             last_error: parking_lot::Mutex::new("not connected yet".into()),
-            batches,
+            generation: std::sync::atomic::AtomicU64::new(0),
         });
-        store.runtime.spawn(Arc::clone(&store).batcher(queue));
         let first = Arc::clone(&store);
         let (tx, rx) = tokio::sync::oneshot::channel();
         store.runtime.spawn(async move {
@@ -219,13 +241,17 @@ impl RedisStore {
                     .map_err(|e| e.to_string())?;
                 v.push(c);
             }
-            Conns::Single(v)
+            Conns::Single {
+                client,
+                pool: v,
+                generation: self.generation.fetch_add(1, Ordering::AcqRel) + 1,
+            }
         };
         let conns = Arc::new(conns);
         // A PING proves the connection (and the credentials in the URL).
         let ping = redis::cmd("PING");
         let pong: Result<String, redis::RedisError> = match &*conns {
-            Conns::Single(v) => ping.query_async(&mut v[0].clone()).await,
+            Conns::Single { pool, .. } => ping.query_async(&mut pool[0].clone()).await,
             Conns::Cluster(c) => ping.query_async(&mut c.clone()).await,
         };
         pong.map_err(|e| e.to_string())?;
@@ -337,9 +363,9 @@ impl RedisStore {
         }
     }
 
-    /// One operation of the script, bounded by the timeout. On one server it goes through the
-    /// batcher ([`RedisStore::batcher`]); a cluster gets one script call per operation, routed by
-    /// `route` to the shard of its keys.
+    /// One operation of the script, bounded by the timeout. On one server it goes on the calling
+    /// worker's lane ([`RedisStore::lane`]), batched with the worker's other operations; a cluster
+    /// gets one script call per operation, routed by `route` to the shard of its keys.
     async fn invoke(
         self: &Arc<Self>,
         route: &str,
@@ -352,8 +378,9 @@ impl RedisStore {
         };
         let started = Instant::now();
         let out = match &*conns {
-            Conns::Single(_) if op != "snapshot" => {
-                drop(conns);
+            Conns::Single {
+                client, generation, ..
+            } if op != "snapshot" => {
                 let (answer, answered) = tokio::sync::oneshot::channel();
                 let queued = Queued {
                     route: route.to_string(),
@@ -362,16 +389,18 @@ impl RedisStore {
                     data,
                     answer,
                 };
-                if self.batches.send(queued).is_err() {
-                    Err(StoreError::Connection("the store thread has ended".into()))
-                } else {
+                let sent = self.enqueue(client, *generation, queued);
+                drop(conns);
+                if sent {
                     match tokio::time::timeout(self.cfg.timeout, answered).await {
                         Err(_) => Err(StoreError::Timeout),
                         Ok(Err(_)) => Err(StoreError::Connection(
-                            "the store thread dropped the call".into(),
+                            "the connection ended with the call".into(),
                         )),
                         Ok(Ok(r)) => r,
                     }
+                } else {
+                    Err(StoreError::Connection("the connection has ended".into()))
                 }
             }
             _ => {
@@ -379,9 +408,9 @@ impl RedisStore {
                 inv.arg(op).arg(spec).arg(data);
                 let call = async {
                     match &*conns {
-                        Conns::Single(v) => {
-                            let i = self.next.fetch_add(1, Ordering::Relaxed) % v.len();
-                            inv.invoke_async::<redis::Value>(&mut v[i].clone()).await
+                        Conns::Single { pool, .. } => {
+                            let i = self.next.fetch_add(1, Ordering::Relaxed) % pool.len();
+                            inv.invoke_async::<redis::Value>(&mut pool[i].clone()).await
                         }
                         Conns::Cluster(c) => inv.invoke_async::<redis::Value>(&mut c.clone()).await,
                     }
@@ -401,14 +430,60 @@ impl RedisStore {
         out
     }
 
-    /// Sends the operations queued on one server in batches: one script call carries every operation
-    /// queued since the last one left, up to [`MAX_BATCH`], with at most `pool_size` (at least two)
-    /// batches in flight. Under light load a batch is one operation and leaves at once; under load
-    /// the operations that arrive while Redis runs a batch go together in the next, so the per-call
-    /// costs on both sides (the script call, a wake-up of this thread and of the caller's, a
-    /// command's framing) are paid once per batch. Each operation in a batch is still decided on
-    /// its own, all or nothing, and answered in order.
-    async fn batcher(self: Arc<Self>, mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>) {
+    /// Queues an operation on this worker's lane, making the lane first if the worker has none for
+    /// this connection generation (or its lane ended). False when the lane cannot take it.
+    fn enqueue(self: &Arc<Self>, client: &redis::Client, generation: u64, q: Queued) -> bool {
+        let id = Arc::as_ptr(self) as usize;
+        LANES.with(|lanes| {
+            let mut lanes = lanes.borrow_mut();
+            lanes.retain(|l| l.store != id || (l.generation == generation && !l.queue.is_closed()));
+            let i = match lanes.iter().position(|l| l.store == id) {
+                Some(i) => i,
+                None => {
+                    let (queue, rx) = tokio::sync::mpsc::unbounded_channel();
+                    tokio::spawn(Arc::clone(self).lane(client.clone(), rx));
+                    lanes.push(Lane {
+                        store: id,
+                        generation,
+                        queue,
+                    });
+                    lanes.len() - 1
+                }
+            };
+            lanes[i].queue.send(q).is_ok()
+        })
+    }
+
+    /// A worker's lane: its own connection, driven on the worker's thread (so an answer wakes the
+    /// worker directly, with no other thread between), and its batcher. One script call carries
+    /// every operation queued since the last one left, up to [`MAX_BATCH`], with at most
+    /// `pool_size` (at least two) batches in flight. Under light load a batch is one operation and
+    /// leaves at once; under load the operations that arrive while Redis runs a batch go together
+    /// in the next, so the per-call costs on both sides (the script call, a command's framing, the
+    /// wake-ups) are paid once per batch. Each operation in a batch is still decided on its own,
+    /// all or nothing, and answered in order. The lane ends when the worker drops its queue (a new
+    /// connection generation) or its connection cannot be made.
+    async fn lane(
+        self: Arc<Self>,
+        client: redis::Client,
+        mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
+    ) {
+        let limit = Duration::from_secs(1).max(self.cfg.timeout);
+        let con = match tokio::time::timeout(limit, client.get_multiplexed_async_connection()).await
+        {
+            Ok(Ok(con)) => con,
+            failed => {
+                let e = match failed {
+                    Ok(Err(e)) => StoreError::Connection(e.to_string()),
+                    _ => StoreError::Connection("connecting timed out".into()),
+                };
+                queue.close();
+                while let Ok(q) = queue.try_recv() {
+                    let _ = q.answer.send(Err(e.clone()));
+                }
+                return;
+            }
+        };
         let in_flight = Arc::new(tokio::sync::Semaphore::new(self.cfg.pool_size.max(2)));
         while let Some(first) = queue.recv().await {
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
@@ -422,23 +497,15 @@ impl RedisStore {
                 }
             }
             let me = Arc::clone(&self);
+            let con = con.clone();
             tokio::spawn(async move {
-                me.send_batch(batch).await;
+                me.send_batch(con, batch).await;
                 drop(permit);
             });
         }
     }
 
-    async fn send_batch(&self, mut batch: Vec<Queued>) {
-        let conns = self.conns.load_full();
-        let Some(Conns::Single(v)) = conns.as_deref() else {
-            let e = StoreError::Connection(self.last_error.lock().clone());
-            for q in batch {
-                let _ = q.answer.send(Err(e.clone()));
-            }
-            return;
-        };
-        let mut con = v[self.next.fetch_add(1, Ordering::Relaxed) % v.len()].clone();
+    async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, mut batch: Vec<Queued>) {
         if batch.len() == 1 {
             let q = batch.remove(0);
             let mut inv = self.script.key(&q.route);
@@ -939,7 +1006,7 @@ impl RedisStore {
     }
 }
 
-/// An operation waiting for the batcher.
+/// An operation waiting for its lane's batcher.
 struct Queued {
     route: String,
     op: &'static str,
