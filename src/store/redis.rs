@@ -84,7 +84,7 @@ enum Conns {
     /// connections, so a lane made before a reconnection is made again), and `pool_size`
     /// connections of the store's thread for the rest (snapshots, probes).
     Single {
-        client: redis::Client,
+        client: Box<redis::Client>,
         pool: Vec<redis::aio::MultiplexedConnection>,
         generation: u64,
     },
@@ -242,7 +242,7 @@ impl RedisStore {
                 v.push(c);
             }
             Conns::Single {
-                client,
+                client: Box::new(client),
                 pool: v,
                 generation: self.generation.fetch_add(1, Ordering::AcqRel) + 1,
             }
