@@ -415,10 +415,7 @@ impl RedisStore {
                         Conns::Cluster(c) => inv.invoke_async::<redis::Value>(&mut c.clone()).await,
                     }
                 };
-                match tokio::time::timeout(self.cfg.timeout, call).await {
-                    Err(_) => Err(StoreError::Timeout),
-                    Ok(r) => r.map_err(store_error),
-                }
+                self.bounded(call).await
             }
         };
         self.telemetry
@@ -505,17 +502,25 @@ impl RedisStore {
         }
     }
 
+    /// A call to Redis bounded by `[store] timeout`.
+    async fn bounded(
+        &self,
+        call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
+    ) -> Result<redis::Value, StoreError> {
+        match tokio::time::timeout(self.cfg.timeout, call).await {
+            Err(_) => Err(StoreError::Timeout),
+            Ok(r) => r.map_err(store_error),
+        }
+    }
+
     async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, mut batch: Vec<Queued>) {
         if batch.len() == 1 {
             let q = batch.remove(0);
             let mut inv = self.script.key(&q.route);
             inv.arg(q.op).arg(q.spec).arg(q.data);
-            let out = match tokio::time::timeout(self.cfg.timeout, inv.invoke_async(&mut con)).await
-            {
-                Err(_) => Err(StoreError::Timeout),
-                Ok(r) => r.map_err(store_error),
-            };
-            let _ = q.answer.send(out);
+            let _ = q
+                .answer
+                .send(self.bounded(inv.invoke_async(&mut con)).await);
             return;
         }
         let mut inv = self.script.key(&batch[0].route);
@@ -523,11 +528,7 @@ impl RedisStore {
         for q in &batch {
             inv.arg(q.op).arg(&q.spec).arg(&q.data);
         }
-        let out = match tokio::time::timeout(self.cfg.timeout, inv.invoke_async(&mut con)).await {
-            Err(_) => Err(StoreError::Timeout),
-            Ok(r) => r.map_err(store_error),
-        };
-        match out {
+        match self.bounded(inv.invoke_async(&mut con)).await {
             Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
                 for (q, item) in batch.into_iter().zip(items) {
                     let _ = q.answer.send(batch_item(item));
