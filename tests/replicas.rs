@@ -905,3 +905,46 @@ fn every_key_expires_and_outlives_what_it_holds() {
         assert!(left > 0, "{key} has no expiry: PTTL {left}");
     }
 }
+
+/// Calls whose callers stopped waiting (their timeout passed while Redis was busy) are not decided
+/// afterwards: no lease and no token are left behind for callers that were told to retry.
+#[test]
+fn calls_given_up_by_their_callers_are_not_decided_later() {
+    let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nrate = \"1/h\"\nburst = 100\nconcurrency = 100\n[limits.tenant]\nconcurrency = 100\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"100ms\"\npool_size = 2\n",
+        redis.url()
+    ));
+    assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    let statuses = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        s.spawn(|| redis.cli(&["DEBUG", "SLEEP", "0.6"]));
+        std::thread::sleep(Duration::from_millis(30));
+        // Two calls take the two script calls the tenant's worker may have in flight: they reach
+        // Redis (asleep) and run when it wakes. The next ones wait in the worker's queue.
+        for wave in [1, 1, 14] {
+            for _ in 0..wave {
+                let (d, statuses) = (&d, &statuses);
+                s.spawn(move || {
+                    let a = d.admit(call("acme", "bot"));
+                    statuses.lock().unwrap().push(a.status);
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let statuses = statuses.into_inner().unwrap();
+    assert!(
+        statuses.iter().all(|&s| s == 503),
+        "every caller gave up after 100 ms: {statuses:?}"
+    );
+    // Redis woke up long after: the first admission's lease, and the two calls it already held.
+    let leases = redis
+        .cli(&["ZCARD", "admitd:{t:acme}:c:t"])
+        .parse::<usize>()
+        .unwrap();
+    assert!(
+        leases <= 3,
+        "{leases} leases for 1 admitted call and 16 refused ones"
+    );
+}

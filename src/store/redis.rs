@@ -493,6 +493,12 @@ impl RedisStore {
                     Err(_) => break,
                 }
             }
+            // A caller that stopped waiting (its timeout passed, and `on_error` answered it) gets no
+            // decision behind its back: nothing is spent and no lease is left for nobody.
+            batch.retain(|q| !q.answer.is_closed());
+            if batch.is_empty() {
+                continue;
+            }
             let me = Arc::clone(&self);
             let con = con.clone();
             tokio::spawn(async move {
@@ -520,7 +526,7 @@ impl RedisStore {
             inv.arg(q.op).arg(q.spec).arg(q.data);
             let _ = q
                 .answer
-                .send(self.bounded(inv.invoke_async(&mut con)).await);
+                .send(in_flight_bound(inv.invoke_async(&mut con)).await);
             return;
         }
         let mut inv = self.script.key(&batch[0].route);
@@ -528,7 +534,7 @@ impl RedisStore {
         for q in &batch {
             inv.arg(q.op).arg(&q.spec).arg(&q.data);
         }
-        match self.bounded(inv.invoke_async(&mut con)).await {
+        match in_flight_bound(inv.invoke_async(&mut con)).await {
             Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
                 for (q, item) in batch.into_iter().zip(items) {
                     let _ = q.answer.send(batch_item(item));
@@ -1156,6 +1162,22 @@ fn merge(a: Vec<(u64, f64)>, b: Vec<(u64, f64)>) -> Vec<(u64, f64)> {
         .zip(b)
         .map(|(x, y)| if x.1 < 0.0 { y } else { x })
         .collect()
+}
+
+/// How long a lane's script call keeps its place in flight without an answer. Not the store's
+/// `timeout`: each caller stops waiting at that (and `on_error` answers it), but a call already
+/// sent runs whenever Redis gets to it, so a slow Redis holds the lane's places and the operations
+/// behind them wait in the lane, where those whose callers gave up are dropped unsent. Past this
+/// bound (a Redis that never answers), the lane sends again.
+const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(10);
+
+async fn in_flight_bound(
+    call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
+) -> Result<redis::Value, StoreError> {
+    match tokio::time::timeout(IN_FLIGHT_LIMIT, call).await {
+        Err(_) => Err(StoreError::Timeout),
+        Ok(r) => r.map_err(store_error),
+    }
 }
 
 /// A Redis client error as the store's.
