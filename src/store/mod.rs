@@ -13,7 +13,9 @@
 //! adaptive windows). docs/architecture.md draws the path of one call.
 
 pub mod keys;
+mod lane;
 pub mod redis;
+mod spec;
 
 pub use self::redis::{RedisStore, Refund, StoreError, StoreReleased};
 

@@ -20,15 +20,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
-use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::keys::{hash_tag, Keys};
+use super::lane::Queued;
+use super::spec::{self, merge, parse_decide, strings, Part};
 use super::StoreMode;
 use crate::config::{OnError, StoreConfig};
 use crate::engine::{
-    ReleaseInfo, RemoteAnswer, RemoteCall, RemoteScope, RemoteSnapshotPlan, RemoteSnapshotState,
-    StateKey, UpstreamReport,
+    ReleaseInfo, RemoteAnswer, RemoteCall, RemoteSnapshotPlan, RemoteSnapshotState, StateKey,
+    UpstreamReport,
 };
 use crate::telemetry::names;
 use crate::telemetry::Telemetry;
@@ -39,12 +40,6 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(500);
 const FAILURES_TO_DOWN: u32 = 3;
 /// The penalty of a 429 reported without a Retry-After.
 const DEFAULT_PENALTY_US: f64 = 1e6;
-
-/// How long an upstream's AIMD cut is remembered when the call does not say (microseconds).
-const FORGET_US: f64 = 120e6;
-/// The most operations one script call carries (see [`RedisStore::batcher`]): a batch keeps Redis
-/// busy for about this many decisions, so this also bounds how long one batch delays others.
-const MAX_BATCH: usize = 32;
 
 const SCRIPT: &str = include_str!("admitd.lua");
 
@@ -91,19 +86,6 @@ enum Conns {
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
-/// A worker thread's way to one server: a connection of its own, driven on that thread, and the
-/// queue of its batcher (see [`RedisStore::lane`]).
-struct Lane {
-    /// The store it belongs to (its address) and the connection generation it was made in.
-    store: usize,
-    generation: u64,
-    queue: tokio::sync::mpsc::UnboundedSender<Queued>,
-}
-
-thread_local! {
-    static LANES: std::cell::RefCell<Vec<Lane>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// What a release did in the store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreReleased {
@@ -128,9 +110,9 @@ pub enum Refund {
 
 /// A Redis store shared by several replicas.
 pub struct RedisStore {
-    cfg: StoreConfig,
+    pub(super) cfg: StoreConfig,
     keys: Keys,
-    script: redis::Script,
+    pub(super) script: redis::Script,
     conns: ArcSwapOption<Conns>,
     up: AtomicBool,
     failures: AtomicU32,
@@ -427,87 +409,6 @@ impl RedisStore {
         out
     }
 
-    /// Queues an operation on this worker's lane, making the lane first if the worker has none for
-    /// this connection generation (or its lane ended). False when the lane cannot take it.
-    fn enqueue(self: &Arc<Self>, client: &redis::Client, generation: u64, q: Queued) -> bool {
-        let id = Arc::as_ptr(self) as usize;
-        LANES.with(|lanes| {
-            let mut lanes = lanes.borrow_mut();
-            lanes.retain(|l| l.store != id || (l.generation == generation && !l.queue.is_closed()));
-            let i = match lanes.iter().position(|l| l.store == id) {
-                Some(i) => i,
-                None => {
-                    let (queue, rx) = tokio::sync::mpsc::unbounded_channel();
-                    tokio::spawn(Arc::clone(self).lane(client.clone(), rx));
-                    lanes.push(Lane {
-                        store: id,
-                        generation,
-                        queue,
-                    });
-                    lanes.len() - 1
-                }
-            };
-            lanes[i].queue.send(q).is_ok()
-        })
-    }
-
-    /// A worker's lane: its own connection, driven on the worker's thread (so an answer wakes the
-    /// worker directly, with no other thread between), and its batcher. One script call carries
-    /// every operation queued since the last one left, up to [`MAX_BATCH`], with at most
-    /// `pool_size` (at least two) batches in flight. Under light load a batch is one operation and
-    /// leaves at once; under load the operations that arrive while Redis runs a batch go together
-    /// in the next, so the per-call costs on both sides (the script call, a command's framing, the
-    /// wake-ups) are paid once per batch. Each operation in a batch is still decided on its own,
-    /// all or nothing, and answered in order. The lane ends when the worker drops its queue (a new
-    /// connection generation) or its connection cannot be made.
-    async fn lane(
-        self: Arc<Self>,
-        client: redis::Client,
-        mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
-    ) {
-        let limit = Duration::from_secs(1).max(self.cfg.timeout);
-        let con = match tokio::time::timeout(limit, client.get_multiplexed_async_connection()).await
-        {
-            Ok(Ok(con)) => con,
-            failed => {
-                let e = match failed {
-                    Ok(Err(e)) => StoreError::Connection(e.to_string()),
-                    _ => StoreError::Connection("connecting timed out".into()),
-                };
-                queue.close();
-                while let Ok(q) = queue.try_recv() {
-                    let _ = q.answer.send(Err(e.clone()));
-                }
-                return;
-            }
-        };
-        let in_flight = Arc::new(tokio::sync::Semaphore::new(self.cfg.pool_size.max(2)));
-        while let Some(first) = queue.recv().await {
-            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
-                return;
-            };
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match queue.try_recv() {
-                    Ok(q) => batch.push(q),
-                    Err(_) => break,
-                }
-            }
-            // A caller that stopped waiting (its timeout passed, and `on_error` answered it) gets no
-            // decision behind its back: nothing is spent and no lease is left for nobody.
-            batch.retain(|q| !q.answer.is_closed());
-            if batch.is_empty() {
-                continue;
-            }
-            let me = Arc::clone(&self);
-            let con = con.clone();
-            tokio::spawn(async move {
-                me.send_batch(con, batch).await;
-                drop(permit);
-            });
-        }
-    }
-
     /// A call to Redis bounded by `[store] timeout`.
     async fn bounded(
         &self,
@@ -519,211 +420,8 @@ impl RedisStore {
         }
     }
 
-    async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, mut batch: Vec<Queued>) {
-        if batch.len() == 1 {
-            let q = batch.remove(0);
-            let mut inv = self.script.key(&q.route);
-            inv.arg(q.op).arg(q.spec).arg(q.data);
-            let _ = q
-                .answer
-                .send(in_flight_bound(inv.invoke_async(&mut con)).await);
-            return;
-        }
-        let mut inv = self.script.key(&batch[0].route);
-        inv.arg("batch");
-        for q in &batch {
-            inv.arg(q.op).arg(&q.spec).arg(&q.data);
-        }
-        match in_flight_bound(inv.invoke_async(&mut con)).await {
-            Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
-                for (q, item) in batch.into_iter().zip(items) {
-                    let _ = q.answer.send(batch_item(item));
-                }
-            }
-            other => {
-                let e = match other {
-                    Err(e) => e,
-                    Ok(v) => StoreError::Script(format!("unexpected answer to a batch: {v:?}")),
-                };
-                for q in batch {
-                    let _ = q.answer.send(Err(e.clone()));
-                }
-            }
-        }
-    }
-
     fn key(&self, tenant: &str, k: &StateKey) -> String {
         self.keys.key(tenant, k)
-    }
-
-    /// The spec of the part of `call` whose keys are cross-tenant (`cross`) or the tenant's own, and
-    /// what its lease keeps for the release. `split`: whether the call is split in two parts (a
-    /// cluster); otherwise one part has it all. Returns the spec, the lease data, the key that routes
-    /// them and, per layer of the part, its index in the call.
-    fn decide_spec(&self, tenant: &str, call: &RemoteCall, part: Part) -> DecideParts {
-        let keep = |k: &StateKey| match part {
-            Part::All => true,
-            Part::Tenant => !k.cross_tenant(),
-            Part::Cross => k.cross_tenant(),
-        };
-        let mut map = Vec::new();
-        let mut layers = Vec::new();
-        for (i, l) in call.layers.iter().enumerate() {
-            if !keep(&l.key) {
-                continue;
-            }
-            map.push(i);
-            layers.push(LayerSpec {
-                k: self.key(tenant, &l.key),
-                t: l.t_us,
-                b: l.burst,
-                n: l.tokens,
-                hold: l.hold,
-                m: l.aimd
-                    .as_ref()
-                    .map_or(String::new(), |m| self.key(tenant, m)),
-                f: l.forget_us,
-            });
-        }
-        let local_index = |global: usize| {
-            // 1-based in the part, 0 when the layer is in the other part.
-            if global == 0 {
-                return 0;
-            }
-            map.iter()
-                .position(|&g| g + 1 == global)
-                .map_or(0, |p| p + 1)
-        };
-        let pen: Vec<PenaltySpec> = call
-            .penalties
-            .iter()
-            .filter(|p| keep(&p.key))
-            .map(|p| PenaltySpec {
-                k: self.key(tenant, &p.key),
-                layer: local_index(p.layer),
-                step: p.step_us,
-            })
-            .collect();
-        let ad: Vec<AdaptiveSpec> = call
-            .adaptive
-            .iter()
-            .filter(|a| keep(&a.key))
-            .map(|a| AdaptiveSpec {
-                k: self.key(tenant, &a.key),
-                w: a.window_us,
-                big_k: a.k,
-                min: a.min_requests,
-                step: a.step_us,
-            })
-            .collect();
-        let own = part != Part::Cross;
-        let conc: Vec<SlotsSpec> = if own {
-            call.slots
-                .iter()
-                .map(|c| SlotsSpec {
-                    k: self.key(tenant, &c.key),
-                    cap: c.cap,
-                    sub: c.subject,
-                    x: tied_layer(call, &map, c.subject),
-                    // The hint cursor of the scope, in the tenant's run-times hash.
-                    cursor: if c.subject {
-                        format!("cs:{}", call.subject)
-                    } else {
-                        "ct".to_string()
-                    },
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let quota: Vec<QuotaSpec> = if own {
-            call.quotas
-                .iter()
-                .map(|q| QuotaSpec {
-                    k: self.key(tenant, &q.key),
-                    q: q.quota,
-                    sub: q.subject,
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let split = part != Part::All;
-        let lease = if own {
-            self.key(tenant, &StateKey::Lease(call.lease))
-        } else {
-            String::new()
-        };
-        let data = LeaseData {
-            subject: &call.subject,
-            tool: &call.tool,
-            cost: call.cost,
-            keys: layers.iter().map(|l| l.k.as_str()).collect(),
-            quotas: quota.iter().map(|q| q.k.as_str()).collect(),
-            zsets: conc.iter().map(|c| c.k.as_str()).collect(),
-            up: call
-                .upstreams
-                .iter()
-                .map(|u| self.report_spec(tenant, u, split && u.cross_tenant()))
-                .collect(),
-        };
-        let data = serde_json::to_string(&data).unwrap_or_default();
-        let spec = DecideSpec {
-            lease,
-            id: format!("{:016x}", call.lease),
-            subject: &call.subject,
-            max_wait: call.max_wait_us,
-            ttl: call.ttl_us,
-            shadow: call.shadow && own,
-            returning: call.returning,
-            rand: call.rand,
-            floor: call.floor_us,
-            forget: FORGET_US,
-            cost: call.cost,
-            pen,
-            ad,
-            conc,
-            quota,
-            layers,
-            rt: RunTimesSpec {
-                k: self.key(tenant, &StateKey::RunTimes),
-                f: &call.tool,
-            },
-            index: if own && call.index {
-                self.key(tenant, &StateKey::SubjectIndex)
-            } else {
-                String::new()
-            },
-        };
-        let route = match part {
-            Part::Cross => format!("{}:route", self.keys.cross_base()),
-            _ => self.keys.tenant_base(tenant),
-        };
-        DecideParts {
-            spec: serde_json::to_string(&spec).unwrap_or_default(),
-            data,
-            route,
-            map,
-        }
-    }
-
-    fn report_spec<'a>(
-        &self,
-        tenant: &str,
-        u: &'a UpstreamReport,
-        cross_part: bool,
-    ) -> ReportSpec<'a> {
-        ReportSpec {
-            n: &u.name,
-            p: self.key(tenant, &u.penalty),
-            s: self.key(tenant, &u.state),
-            aw: u.adaptive_window_us,
-            forget: u.forget_us,
-            x: cross_part,
-            af: u.aimd.map(|a| a.0),
-            afl: u.aimd.map(|a| a.1),
-            ar: u.aimd.map(|a| a.2),
-        }
     }
 
     /// Decides a call: one round trip, or in a cluster two when the call spends cross-tenant state
@@ -739,11 +437,11 @@ impl RedisStore {
                 || call.penalties.iter().any(|p| p.key.cross_tenant())
                 || call.adaptive.iter().any(|a| a.key.cross_tenant()));
         if !cross {
-            let p = self.decide_spec(&tenant, &call, Part::All);
+            let p = spec::decide_spec(&self.keys, &tenant, &call, Part::All);
             let v = self.invoke(&p.route, "decide", p.spec, p.data).await;
             return parse_decide(v, &p.map, n);
         }
-        let p = self.decide_spec(&tenant, &call, Part::Tenant);
+        let p = spec::decide_spec(&self.keys, &tenant, &call, Part::Tenant);
         let first = parse_decide(
             self.invoke(&p.route, "decide", p.spec, p.data).await,
             &p.map,
@@ -756,7 +454,7 @@ impl RedisStore {
         else {
             return Ok(first);
         };
-        let p = self.decide_spec(&tenant, &call, Part::Cross);
+        let p = spec::decide_spec(&self.keys, &tenant, &call, Part::Cross);
         let second = parse_decide(
             self.invoke(&p.route, "decide", p.spec, p.data).await,
             &p.map,
@@ -880,7 +578,7 @@ impl RedisStore {
     ) -> Result<Option<Duration>, StoreError> {
         let limited = status == 429;
         let spec = json!({
-            "u": self.report_spec(&tenant, &report, false),
+            "u": spec::report_spec(&self.keys, &tenant, &report, false),
             "limited": limited,
             "retry_after": retry_after.map_or(-1.0, |d| d.as_micros() as f64),
             "default_penalty": DEFAULT_PENALTY_US,
@@ -1013,330 +711,13 @@ impl RedisStore {
     }
 }
 
-/// An operation waiting for its lane's batcher.
-struct Queued {
-    route: String,
-    op: &'static str,
-    spec: String,
-    data: String,
-    answer: tokio::sync::oneshot::Sender<Result<redis::Value, StoreError>>,
-}
-
-/// A decision's part, as the script gets it.
-struct DecideParts {
-    spec: String,
-    data: String,
-    route: String,
-    /// Per layer of the part, its index in the call.
-    map: Vec<usize>,
-}
-
-// The script's `decide` spec, written straight from the call (the names are the script's).
-#[derive(Serialize)]
-struct DecideSpec<'a> {
-    lease: String,
-    id: String,
-    subject: &'a str,
-    cost: f64,
-    max_wait: f64,
-    ttl: f64,
-    shadow: bool,
-    returning: bool,
-    rand: f64,
-    floor: f64,
-    forget: f64,
-    pen: Vec<PenaltySpec>,
-    ad: Vec<AdaptiveSpec>,
-    conc: Vec<SlotsSpec>,
-    quota: Vec<QuotaSpec>,
-    layers: Vec<LayerSpec>,
-    rt: RunTimesSpec<'a>,
-    index: String,
-}
-
-#[derive(Serialize)]
-struct LayerSpec {
-    k: String,
-    #[serde(rename = "T")]
-    t: f64,
-    b: f64,
-    n: f64,
-    hold: bool,
-    m: String,
-    f: f64,
-}
-
-#[derive(Serialize)]
-struct PenaltySpec {
-    k: String,
-    layer: usize,
-    step: f64,
-}
-
-#[derive(Serialize)]
-struct AdaptiveSpec {
-    k: String,
-    w: f64,
-    #[serde(rename = "K")]
-    big_k: f64,
-    min: u64,
-    step: f64,
-}
-
-#[derive(Serialize)]
-struct SlotsSpec {
-    k: String,
-    cap: u32,
-    sub: bool,
-    /// The layer (1-based in the part, 0: none) whose bucket hash keeps this set's expiry cursor.
-    x: usize,
-    cursor: String,
-}
-
-/// The layer of a part (`map`: the call's index of each) whose bucket hash keeps the expiry cursor
-/// of a concurrency set: the subject's bucket for the subject's set, the tenant's for the tenant's.
-/// 1-based; 0 when the part has no such layer (the script then pushes the set's expiry every time).
-fn tied_layer(call: &RemoteCall, map: &[usize], subject: bool) -> usize {
-    map.iter()
-        .position(|&i| match &call.layers[i].key {
-            StateKey::SubjectBucket(s) => subject && *s == call.subject,
-            StateKey::TenantBucket => !subject,
-            _ => false,
-        })
-        .map_or(0, |p| p + 1)
-}
-
-#[derive(Serialize)]
-struct QuotaSpec {
-    k: String,
-    q: f64,
-    sub: bool,
-}
-
-#[derive(Serialize)]
-struct RunTimesSpec<'a> {
-    k: String,
-    f: &'a str,
-}
-
-/// What a lease keeps for its release (the hash field `d`), stored as admitd writes it.
-#[derive(Serialize)]
-struct LeaseData<'a> {
-    subject: &'a str,
-    tool: &'a str,
-    cost: f64,
-    /// The bucket layers' keys, in the order of the tokens the script records beside them.
-    keys: Vec<&'a str>,
-    quotas: Vec<&'a str>,
-    zsets: Vec<&'a str>,
-    up: Vec<ReportSpec<'a>>,
-}
-
-/// An upstream as the script reads it to take its answer (penalty, AIMD, adaptive window).
-#[derive(Serialize)]
-struct ReportSpec<'a> {
-    n: &'a str,
-    p: String,
-    s: String,
-    aw: f64,
-    forget: f64,
-    x: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    af: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    afl: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    ar: Option<f64>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Part {
-    All,
-    Tenant,
-    Cross,
-}
-
-/// Layer reports of two parts, in the call's order (a layer is in exactly one of them).
-fn merge(a: Vec<(u64, f64)>, b: Vec<(u64, f64)>) -> Vec<(u64, f64)> {
-    a.into_iter()
-        .zip(b)
-        .map(|(x, y)| if x.1 < 0.0 { y } else { x })
-        .collect()
-}
-
-/// How long a lane's script call keeps its place in flight without an answer. Not the store's
-/// `timeout`: each caller stops waiting at that (and `on_error` answers it), but a call already
-/// sent runs whenever Redis gets to it, so a slow Redis holds the lane's places and the operations
-/// behind them wait in the lane, where those whose callers gave up are dropped unsent. Past this
-/// bound (a Redis that never answers), the lane sends again.
-const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(10);
-
-async fn in_flight_bound(
-    call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
-) -> Result<redis::Value, StoreError> {
-    match tokio::time::timeout(IN_FLIGHT_LIMIT, call).await {
-        Err(_) => Err(StoreError::Timeout),
-        Ok(r) => r.map_err(store_error),
-    }
-}
-
 /// A Redis client error as the store's.
-fn store_error(e: redis::RedisError) -> StoreError {
+pub(super) fn store_error(e: redis::RedisError) -> StoreError {
     if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
         StoreError::Connection(e.to_string())
     } else if e.is_timeout() {
         StoreError::Timeout
     } else {
         StoreError::Script(e.to_string())
-    }
-}
-
-/// One operation's answer in a batch: what it returned, or `{'error', message}` when it failed.
-fn batch_item(v: redis::Value) -> Result<redis::Value, StoreError> {
-    if let redis::Value::Array(parts) = &v {
-        if let [redis::Value::BulkString(tag), rest @ ..] = parts.as_slice() {
-            if tag == b"error" {
-                let why = rest
-                    .first()
-                    .and_then(|m| redis::from_redis_value::<String>(m.clone()).ok())
-                    .unwrap_or_default();
-                return Err(StoreError::Script(why));
-            }
-        }
-    }
-    Ok(v)
-}
-
-fn strings(v: redis::Value) -> Result<Vec<String>, StoreError> {
-    redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))
-}
-
-/// Parses the script's answer to `decide`. Layer reports are placed at their index in the call
-/// (`map`); the layers of the other part are marked with a negative reset.
-fn parse_decide(
-    v: Result<redis::Value, StoreError>,
-    map: &[usize],
-    n: usize,
-) -> Result<RemoteAnswer, StoreError> {
-    let parts = strings(v?)?;
-    let bad = || StoreError::Script(format!("unexpected answer {parts:?}"));
-    let num = |i: usize| -> Result<f64, StoreError> {
-        parts.get(i).and_then(|s| s.parse().ok()).ok_or_else(bad)
-    };
-    let layers_from = |start: usize| -> Result<Vec<(u64, f64)>, StoreError> {
-        let mut out = vec![(0u64, -1.0f64); n];
-        for (j, &g) in map.iter().enumerate() {
-            let left = num(start + 2 * j)? as u64;
-            let reset = num(start + 2 * j + 1)?;
-            if let Some(slot) = out.get_mut(g) {
-                *slot = (left, reset);
-            }
-        }
-        Ok(out)
-    };
-    match parts.first().map(String::as_str) {
-        Some("ok") => Ok(RemoteAnswer::Admitted {
-            hold_us: num(1)?,
-            layers: layers_from(2)?,
-        }),
-        Some("busy") => Ok(RemoteAnswer::Busy { wait_us: num(1)? }),
-        Some("shed") => {
-            let scope = match parts.get(1).map(String::as_str) {
-                Some("upstream_penalty") => RemoteScope::Penalty,
-                Some("adaptive") => RemoteScope::Adaptive,
-                Some("concurrency") => RemoteScope::Concurrency,
-                Some("daily_quota") => RemoteScope::DailyQuota,
-                Some("layer") => {
-                    let local = num(5)? as usize;
-                    let global = local
-                        .checked_sub(1)
-                        .and_then(|l| map.get(l).copied())
-                        .ok_or_else(bad)?;
-                    RemoteScope::Layer(global)
-                }
-                _ => return Err(bad()),
-            };
-            let layers = layers_from(6)?;
-            let multiplier =
-                if scope == RemoteScope::Penalty || !matches!(scope, RemoteScope::Layer(_)) {
-                    1.0
-                } else {
-                    num(6 + 2 * map.len()).unwrap_or(1.0)
-                };
-            Ok(RemoteAnswer::Refused {
-                scope,
-                wait_us: num(2)?,
-                booked: num(3)? > 0.0,
-                account_wide: num(4)? > 0.0,
-                layers,
-                multiplier,
-            })
-        }
-        _ => Err(bad()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn v(items: &[&str]) -> Result<redis::Value, StoreError> {
-        Ok(redis::Value::Array(
-            items
-                .iter()
-                .map(|s| redis::Value::BulkString(s.as_bytes().to_vec()))
-                .collect(),
-        ))
-    }
-
-    #[test]
-    fn answers_are_placed_at_their_layers_in_the_call() {
-        // Two of three layers in this part: the call's 0 and 2.
-        let a = parse_decide(v(&["ok", "250", "19", "500", "4", "100"]), &[0, 2], 3).unwrap();
-        assert_eq!(
-            a,
-            RemoteAnswer::Admitted {
-                hold_us: 250.0,
-                layers: vec![(19, 500.0), (0, -1.0), (4, 100.0)]
-            }
-        );
-        let s = parse_decide(
-            v(&[
-                "shed", "layer", "1000", "0", "0", "2", "19", "500", "0", "900", "0.5",
-            ]),
-            &[0, 2],
-            3,
-        )
-        .unwrap();
-        assert_eq!(
-            s,
-            RemoteAnswer::Refused {
-                scope: RemoteScope::Layer(2),
-                wait_us: 1000.0,
-                booked: false,
-                account_wide: false,
-                layers: vec![(19, 500.0), (0, -1.0), (0, 900.0)],
-                multiplier: 0.5,
-            }
-        );
-        assert_eq!(
-            parse_decide(v(&["busy", "1500"]), &[], 0).unwrap(),
-            RemoteAnswer::Busy { wait_us: 1500.0 }
-        );
-        assert!(matches!(
-            parse_decide(v(&["what"]), &[], 0),
-            Err(StoreError::Script(_))
-        ));
-        assert!(matches!(
-            parse_decide(v(&["shed", "layer", "1", "0", "0", "9"]), &[0], 1),
-            Err(StoreError::Script(_))
-        ));
-    }
-
-    #[test]
-    fn merged_reports_take_each_layer_from_the_part_that_has_it() {
-        let a = vec![(3, 10.0), (0, -1.0)];
-        let b = vec![(0, -1.0), (7, 20.0)];
-        assert_eq!(merge(a, b), vec![(3, 10.0), (7, 20.0)]);
     }
 }

@@ -1,0 +1,189 @@
+//! A worker's lane to one Redis server: a connection of the worker's own, driven on its thread, and
+//! the batcher that sends the worker's operations on it. One script call carries every operation
+//! the worker queued while the previous calls ran (up to [`MAX_BATCH`]), so under load the per-call
+//! costs on both sides are paid once per batch, and an answer wakes the worker that waits for it
+//! with no other thread between.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::redis::{store_error, RedisStore, StoreError};
+
+/// The most operations one script call carries (see [`RedisStore::lane`]): a batch keeps Redis
+/// busy for about this many decisions, so this also bounds how long one batch delays others.
+const MAX_BATCH: usize = 32;
+
+/// An operation waiting for its lane's batcher.
+pub(super) struct Queued {
+    pub(super) route: String,
+    pub(super) op: &'static str,
+    pub(super) spec: String,
+    pub(super) data: String,
+    pub(super) answer: tokio::sync::oneshot::Sender<Result<redis::Value, StoreError>>,
+}
+
+/// A worker thread's way to one server: a connection of its own, driven on that thread, and the
+/// queue of its batcher (see [`RedisStore::lane`]).
+struct Lane {
+    /// The store it belongs to (its address) and the connection generation it was made in.
+    store: usize,
+    generation: u64,
+    queue: tokio::sync::mpsc::UnboundedSender<Queued>,
+}
+
+thread_local! {
+    static LANES: std::cell::RefCell<Vec<Lane>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl RedisStore {
+    /// Queues an operation on this worker's lane, making the lane first if the worker has none for
+    /// this connection generation (or its lane ended). False when the lane cannot take it.
+    pub(super) fn enqueue(
+        self: &Arc<Self>,
+        client: &redis::Client,
+        generation: u64,
+        q: Queued,
+    ) -> bool {
+        let id = Arc::as_ptr(self) as usize;
+        LANES.with(|lanes| {
+            let mut lanes = lanes.borrow_mut();
+            lanes.retain(|l| l.store != id || (l.generation == generation && !l.queue.is_closed()));
+            let i = match lanes.iter().position(|l| l.store == id) {
+                Some(i) => i,
+                None => {
+                    let (queue, rx) = tokio::sync::mpsc::unbounded_channel();
+                    tokio::spawn(Arc::clone(self).lane(client.clone(), rx));
+                    lanes.push(Lane {
+                        store: id,
+                        generation,
+                        queue,
+                    });
+                    lanes.len() - 1
+                }
+            };
+            lanes[i].queue.send(q).is_ok()
+        })
+    }
+
+    /// A worker's lane: its own connection, driven on the worker's thread (so an answer wakes the
+    /// worker directly, with no other thread between), and its batcher. One script call carries
+    /// every operation queued since the last one left, up to [`MAX_BATCH`], with at most
+    /// `pool_size` (at least two) batches in flight. Under light load a batch is one operation and
+    /// leaves at once; under load the operations that arrive while Redis runs a batch go together
+    /// in the next, so the per-call costs on both sides (the script call, a command's framing, the
+    /// wake-ups) are paid once per batch. Each operation in a batch is still decided on its own,
+    /// all or nothing, and answered in order. The lane ends when the worker drops its queue (a new
+    /// connection generation) or its connection cannot be made.
+    async fn lane(
+        self: Arc<Self>,
+        client: redis::Client,
+        mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
+    ) {
+        let limit = Duration::from_secs(1).max(self.cfg.timeout);
+        let con = match tokio::time::timeout(limit, client.get_multiplexed_async_connection()).await
+        {
+            Ok(Ok(con)) => con,
+            failed => {
+                let e = match failed {
+                    Ok(Err(e)) => StoreError::Connection(e.to_string()),
+                    _ => StoreError::Connection("connecting timed out".into()),
+                };
+                queue.close();
+                while let Ok(q) = queue.try_recv() {
+                    let _ = q.answer.send(Err(e.clone()));
+                }
+                return;
+            }
+        };
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(self.cfg.pool_size.max(2)));
+        while let Some(first) = queue.recv().await {
+            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
+                return;
+            };
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match queue.try_recv() {
+                    Ok(q) => batch.push(q),
+                    Err(_) => break,
+                }
+            }
+            // A caller that stopped waiting (its timeout passed, and `on_error` answered it) gets no
+            // decision behind its back: nothing is spent and no lease is left for nobody.
+            batch.retain(|q| !q.answer.is_closed());
+            if batch.is_empty() {
+                continue;
+            }
+            let me = Arc::clone(&self);
+            let con = con.clone();
+            tokio::spawn(async move {
+                me.send_batch(con, batch).await;
+                drop(permit);
+            });
+        }
+    }
+
+    async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, mut batch: Vec<Queued>) {
+        if batch.len() == 1 {
+            let q = batch.remove(0);
+            let mut inv = self.script.key(&q.route);
+            inv.arg(q.op).arg(q.spec).arg(q.data);
+            let _ = q
+                .answer
+                .send(in_flight_bound(inv.invoke_async(&mut con)).await);
+            return;
+        }
+        let mut inv = self.script.key(&batch[0].route);
+        inv.arg("batch");
+        for q in &batch {
+            inv.arg(q.op).arg(&q.spec).arg(&q.data);
+        }
+        match in_flight_bound(inv.invoke_async(&mut con)).await {
+            Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
+                for (q, item) in batch.into_iter().zip(items) {
+                    let _ = q.answer.send(batch_item(item));
+                }
+            }
+            other => {
+                let e = match other {
+                    Err(e) => e,
+                    Ok(v) => StoreError::Script(format!("unexpected answer to a batch: {v:?}")),
+                };
+                for q in batch {
+                    let _ = q.answer.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// How long a lane's script call keeps its place in flight without an answer. Not the store's
+/// `timeout`: each caller stops waiting at that (and `on_error` answers it), but a call already
+/// sent runs whenever Redis gets to it, so a slow Redis holds the lane's places and the operations
+/// behind them wait in the lane, where those whose callers gave up are dropped unsent. Past this
+/// bound (a Redis that never answers), the lane sends again.
+const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(10);
+
+async fn in_flight_bound(
+    call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
+) -> Result<redis::Value, StoreError> {
+    match tokio::time::timeout(IN_FLIGHT_LIMIT, call).await {
+        Err(_) => Err(StoreError::Timeout),
+        Ok(r) => r.map_err(store_error),
+    }
+}
+
+/// One operation's answer in a batch: what it returned, or `{'error', message}` when it failed.
+fn batch_item(v: redis::Value) -> Result<redis::Value, StoreError> {
+    if let redis::Value::Array(parts) = &v {
+        if let [redis::Value::BulkString(tag), rest @ ..] = parts.as_slice() {
+            if tag == b"error" {
+                let why = rest
+                    .first()
+                    .and_then(|m| redis::from_redis_value::<String>(m.clone()).ok())
+                    .unwrap_or_default();
+                return Err(StoreError::Script(why));
+            }
+        }
+    }
+    Ok(v)
+}

@@ -1,0 +1,457 @@
+//! What the shared-store script reads and answers: a decision's spec and what its lease keeps
+//! (written straight from the planned call, no JSON tree), and the answers parsed back.
+
+use serde::Serialize;
+
+use super::keys::Keys;
+use super::redis::StoreError;
+use crate::engine::{RemoteAnswer, RemoteCall, RemoteScope, StateKey, UpstreamReport};
+
+/// How long an upstream's AIMD cut is remembered when the call does not say (microseconds).
+const FORGET_US: f64 = 120e6;
+
+/// The spec of the part of `call` whose keys are cross-tenant (`cross`) or the tenant's own, and
+/// what its lease keeps for the release. `split`: whether the call is split in two parts (a
+/// cluster); otherwise one part has it all. Returns the spec, the lease data, the key that routes
+/// them and, per layer of the part, its index in the call.
+pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Part) -> DecideParts {
+    let keep = |k: &StateKey| match part {
+        Part::All => true,
+        Part::Tenant => !k.cross_tenant(),
+        Part::Cross => k.cross_tenant(),
+    };
+    let mut map = Vec::new();
+    let mut layers = Vec::new();
+    for (i, l) in call.layers.iter().enumerate() {
+        if !keep(&l.key) {
+            continue;
+        }
+        map.push(i);
+        layers.push(LayerSpec {
+            k: keys.key(tenant, &l.key),
+            t: l.t_us,
+            b: l.burst,
+            n: l.tokens,
+            hold: l.hold,
+            m: l.aimd
+                .as_ref()
+                .map_or(String::new(), |m| keys.key(tenant, m)),
+            f: l.forget_us,
+        });
+    }
+    let local_index = |global: usize| {
+        // 1-based in the part, 0 when the layer is in the other part.
+        if global == 0 {
+            return 0;
+        }
+        map.iter()
+            .position(|&g| g + 1 == global)
+            .map_or(0, |p| p + 1)
+    };
+    let pen: Vec<PenaltySpec> = call
+        .penalties
+        .iter()
+        .filter(|p| keep(&p.key))
+        .map(|p| PenaltySpec {
+            k: keys.key(tenant, &p.key),
+            layer: local_index(p.layer),
+            step: p.step_us,
+        })
+        .collect();
+    let ad: Vec<AdaptiveSpec> = call
+        .adaptive
+        .iter()
+        .filter(|a| keep(&a.key))
+        .map(|a| AdaptiveSpec {
+            k: keys.key(tenant, &a.key),
+            w: a.window_us,
+            big_k: a.k,
+            min: a.min_requests,
+            step: a.step_us,
+        })
+        .collect();
+    let own = part != Part::Cross;
+    let conc: Vec<SlotsSpec> = if own {
+        call.slots
+            .iter()
+            .map(|c| SlotsSpec {
+                k: keys.key(tenant, &c.key),
+                cap: c.cap,
+                sub: c.subject,
+                x: tied_layer(call, &map, c.subject),
+                // The hint cursor of the scope, in the tenant's run-times hash.
+                cursor: if c.subject {
+                    format!("cs:{}", call.subject)
+                } else {
+                    "ct".to_string()
+                },
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let quota: Vec<QuotaSpec> = if own {
+        call.quotas
+            .iter()
+            .map(|q| QuotaSpec {
+                k: keys.key(tenant, &q.key),
+                q: q.quota,
+                sub: q.subject,
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let split = part != Part::All;
+    let lease = if own {
+        keys.key(tenant, &StateKey::Lease(call.lease))
+    } else {
+        String::new()
+    };
+    let data = LeaseData {
+        subject: &call.subject,
+        tool: &call.tool,
+        cost: call.cost,
+        keys: layers.iter().map(|l| l.k.as_str()).collect(),
+        quotas: quota.iter().map(|q| q.k.as_str()).collect(),
+        zsets: conc.iter().map(|c| c.k.as_str()).collect(),
+        up: call
+            .upstreams
+            .iter()
+            .map(|u| report_spec(keys, tenant, u, split && u.cross_tenant()))
+            .collect(),
+    };
+    let data = serde_json::to_string(&data).unwrap_or_default();
+    let spec = DecideSpec {
+        lease,
+        id: format!("{:016x}", call.lease),
+        subject: &call.subject,
+        max_wait: call.max_wait_us,
+        ttl: call.ttl_us,
+        shadow: call.shadow && own,
+        returning: call.returning,
+        rand: call.rand,
+        floor: call.floor_us,
+        forget: FORGET_US,
+        cost: call.cost,
+        pen,
+        ad,
+        conc,
+        quota,
+        layers,
+        rt: RunTimesSpec {
+            k: keys.key(tenant, &StateKey::RunTimes),
+            f: &call.tool,
+        },
+        index: if own && call.index {
+            keys.key(tenant, &StateKey::SubjectIndex)
+        } else {
+            String::new()
+        },
+    };
+    let route = match part {
+        Part::Cross => format!("{}:route", keys.cross_base()),
+        _ => keys.tenant_base(tenant),
+    };
+    DecideParts {
+        spec: serde_json::to_string(&spec).unwrap_or_default(),
+        data,
+        route,
+        map,
+    }
+}
+
+pub(super) fn report_spec<'a>(
+    keys: &Keys,
+    tenant: &str,
+    u: &'a UpstreamReport,
+    cross_part: bool,
+) -> ReportSpec<'a> {
+    ReportSpec {
+        n: &u.name,
+        p: keys.key(tenant, &u.penalty),
+        s: keys.key(tenant, &u.state),
+        aw: u.adaptive_window_us,
+        forget: u.forget_us,
+        x: cross_part,
+        af: u.aimd.map(|a| a.0),
+        afl: u.aimd.map(|a| a.1),
+        ar: u.aimd.map(|a| a.2),
+    }
+}
+
+/// A decision's part, as the script gets it.
+pub(super) struct DecideParts {
+    pub(super) spec: String,
+    pub(super) data: String,
+    pub(super) route: String,
+    /// Per layer of the part, its index in the call.
+    pub(super) map: Vec<usize>,
+}
+
+// The script's `decide` spec, written straight from the call (the names are the script's).
+#[derive(Serialize)]
+struct DecideSpec<'a> {
+    lease: String,
+    id: String,
+    subject: &'a str,
+    cost: f64,
+    max_wait: f64,
+    ttl: f64,
+    shadow: bool,
+    returning: bool,
+    rand: f64,
+    floor: f64,
+    forget: f64,
+    pen: Vec<PenaltySpec>,
+    ad: Vec<AdaptiveSpec>,
+    conc: Vec<SlotsSpec>,
+    quota: Vec<QuotaSpec>,
+    layers: Vec<LayerSpec>,
+    rt: RunTimesSpec<'a>,
+    index: String,
+}
+
+#[derive(Serialize)]
+struct LayerSpec {
+    k: String,
+    #[serde(rename = "T")]
+    t: f64,
+    b: f64,
+    n: f64,
+    hold: bool,
+    m: String,
+    f: f64,
+}
+
+#[derive(Serialize)]
+struct PenaltySpec {
+    k: String,
+    layer: usize,
+    step: f64,
+}
+
+#[derive(Serialize)]
+struct AdaptiveSpec {
+    k: String,
+    w: f64,
+    #[serde(rename = "K")]
+    big_k: f64,
+    min: u64,
+    step: f64,
+}
+
+#[derive(Serialize)]
+struct SlotsSpec {
+    k: String,
+    cap: u32,
+    sub: bool,
+    /// The layer (1-based in the part, 0: none) whose bucket hash keeps this set's expiry cursor.
+    x: usize,
+    cursor: String,
+}
+
+/// The layer of a part (`map`: the call's index of each) whose bucket hash keeps the expiry cursor
+/// of a concurrency set: the subject's bucket for the subject's set, the tenant's for the tenant's.
+/// 1-based; 0 when the part has no such layer (the script then pushes the set's expiry every time).
+fn tied_layer(call: &RemoteCall, map: &[usize], subject: bool) -> usize {
+    map.iter()
+        .position(|&i| match &call.layers[i].key {
+            StateKey::SubjectBucket(s) => subject && *s == call.subject,
+            StateKey::TenantBucket => !subject,
+            _ => false,
+        })
+        .map_or(0, |p| p + 1)
+}
+
+#[derive(Serialize)]
+struct QuotaSpec {
+    k: String,
+    q: f64,
+    sub: bool,
+}
+
+#[derive(Serialize)]
+struct RunTimesSpec<'a> {
+    k: String,
+    f: &'a str,
+}
+
+/// What a lease keeps for its release (the hash field `d`), stored as admitd writes it.
+#[derive(Serialize)]
+struct LeaseData<'a> {
+    subject: &'a str,
+    tool: &'a str,
+    cost: f64,
+    /// The bucket layers' keys, in the order of the tokens the script records beside them.
+    keys: Vec<&'a str>,
+    quotas: Vec<&'a str>,
+    zsets: Vec<&'a str>,
+    up: Vec<ReportSpec<'a>>,
+}
+
+/// An upstream as the script reads it to take its answer (penalty, AIMD, adaptive window).
+#[derive(Serialize)]
+pub(super) struct ReportSpec<'a> {
+    n: &'a str,
+    p: String,
+    s: String,
+    aw: f64,
+    forget: f64,
+    x: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    af: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    afl: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ar: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Part {
+    All,
+    Tenant,
+    Cross,
+}
+
+/// Layer reports of two parts, in the call's order (a layer is in exactly one of them).
+pub(super) fn merge(a: Vec<(u64, f64)>, b: Vec<(u64, f64)>) -> Vec<(u64, f64)> {
+    a.into_iter()
+        .zip(b)
+        .map(|(x, y)| if x.1 < 0.0 { y } else { x })
+        .collect()
+}
+
+pub(super) fn strings(v: redis::Value) -> Result<Vec<String>, StoreError> {
+    redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))
+}
+
+/// Parses the script's answer to `decide`. Layer reports are placed at their index in the call
+/// (`map`); the layers of the other part are marked with a negative reset.
+pub(super) fn parse_decide(
+    v: Result<redis::Value, StoreError>,
+    map: &[usize],
+    n: usize,
+) -> Result<RemoteAnswer, StoreError> {
+    let parts = strings(v?)?;
+    let bad = || StoreError::Script(format!("unexpected answer {parts:?}"));
+    let num = |i: usize| -> Result<f64, StoreError> {
+        parts.get(i).and_then(|s| s.parse().ok()).ok_or_else(bad)
+    };
+    let layers_from = |start: usize| -> Result<Vec<(u64, f64)>, StoreError> {
+        let mut out = vec![(0u64, -1.0f64); n];
+        for (j, &g) in map.iter().enumerate() {
+            let left = num(start + 2 * j)? as u64;
+            let reset = num(start + 2 * j + 1)?;
+            if let Some(slot) = out.get_mut(g) {
+                *slot = (left, reset);
+            }
+        }
+        Ok(out)
+    };
+    match parts.first().map(String::as_str) {
+        Some("ok") => Ok(RemoteAnswer::Admitted {
+            hold_us: num(1)?,
+            layers: layers_from(2)?,
+        }),
+        Some("busy") => Ok(RemoteAnswer::Busy { wait_us: num(1)? }),
+        Some("shed") => {
+            let scope = match parts.get(1).map(String::as_str) {
+                Some("upstream_penalty") => RemoteScope::Penalty,
+                Some("adaptive") => RemoteScope::Adaptive,
+                Some("concurrency") => RemoteScope::Concurrency,
+                Some("daily_quota") => RemoteScope::DailyQuota,
+                Some("layer") => {
+                    let local = num(5)? as usize;
+                    let global = local
+                        .checked_sub(1)
+                        .and_then(|l| map.get(l).copied())
+                        .ok_or_else(bad)?;
+                    RemoteScope::Layer(global)
+                }
+                _ => return Err(bad()),
+            };
+            let layers = layers_from(6)?;
+            let multiplier =
+                if scope == RemoteScope::Penalty || !matches!(scope, RemoteScope::Layer(_)) {
+                    1.0
+                } else {
+                    num(6 + 2 * map.len()).unwrap_or(1.0)
+                };
+            Ok(RemoteAnswer::Refused {
+                scope,
+                wait_us: num(2)?,
+                booked: num(3)? > 0.0,
+                account_wide: num(4)? > 0.0,
+                layers,
+                multiplier,
+            })
+        }
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(items: &[&str]) -> Result<redis::Value, StoreError> {
+        Ok(redis::Value::Array(
+            items
+                .iter()
+                .map(|s| redis::Value::BulkString(s.as_bytes().to_vec()))
+                .collect(),
+        ))
+    }
+
+    #[test]
+    fn answers_are_placed_at_their_layers_in_the_call() {
+        // Two of three layers in this part: the call's 0 and 2.
+        let a = parse_decide(v(&["ok", "250", "19", "500", "4", "100"]), &[0, 2], 3).unwrap();
+        assert_eq!(
+            a,
+            RemoteAnswer::Admitted {
+                hold_us: 250.0,
+                layers: vec![(19, 500.0), (0, -1.0), (4, 100.0)]
+            }
+        );
+        let s = parse_decide(
+            v(&[
+                "shed", "layer", "1000", "0", "0", "2", "19", "500", "0", "900", "0.5",
+            ]),
+            &[0, 2],
+            3,
+        )
+        .unwrap();
+        assert_eq!(
+            s,
+            RemoteAnswer::Refused {
+                scope: RemoteScope::Layer(2),
+                wait_us: 1000.0,
+                booked: false,
+                account_wide: false,
+                layers: vec![(19, 500.0), (0, -1.0), (0, 900.0)],
+                multiplier: 0.5,
+            }
+        );
+        assert_eq!(
+            parse_decide(v(&["busy", "1500"]), &[], 0).unwrap(),
+            RemoteAnswer::Busy { wait_us: 1500.0 }
+        );
+        assert!(matches!(
+            parse_decide(v(&["what"]), &[], 0),
+            Err(StoreError::Script(_))
+        ));
+        assert!(matches!(
+            parse_decide(v(&["shed", "layer", "1", "0", "0", "9"]), &[0], 1),
+            Err(StoreError::Script(_))
+        ));
+    }
+
+    #[test]
+    fn merged_reports_take_each_layer_from_the_part_that_has_it() {
+        let a = vec![(3, 10.0), (0, -1.0)];
+        let b = vec![(0, -1.0), (7, 20.0)];
+        assert_eq!(merge(a, b), vec![(3, 10.0), (7, 20.0)]);
+    }
+}
