@@ -102,7 +102,7 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(OVERLOAD, Counter, COUNT, "Admissions refused with a 503 before being decided, by reason."),
         help(STORE_MODE, Gauge, None, "1 for how admissions are decided now: memory, shared, or the on_error mode while the store is down."),
         help(STORE_ERRORS, Counter, COUNT, "Calls to the shared store that failed, by kind (timeout, connection, script)."),
-        help(STORE_REQUEST, Histogram, SECONDS, "How long each operation on the shared store took to be answered (its round trip, shared with the operations batched with it)."),
+        help(STORE_REQUEST, Histogram, SECONDS, "How long each operation on the shared store waited for its answer (batched operations share one)."),
         help(STORE_FALLBACK, Counter, COUNT, "Admissions decided without the shared store while it was unreachable, by on_error mode."),
     ]
 };
