@@ -675,14 +675,21 @@ fn script_calls(redis: &RedisServer) -> u64 {
         .unwrap_or(0)
 }
 
-#[test]
-fn calls_queued_while_redis_is_busy_share_script_calls_and_each_is_decided_once() {
+/// A Redis that `DEBUG SLEEP` can put to sleep, and a replica on it (a subject's `burst` at 1/h,
+/// concurrency caps of 100, the store's `timeout`) that has admitted one call of acme/bot.
+fn one_admitted_on_a_redis_that_can_sleep(burst: u32, timeout: &str) -> (RedisServer, Daemon) {
     let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
     let d = Daemon::start(&format!(
-        "[limits.subject]\nrate = \"1/h\"\nburst = 40\nconcurrency = 100\n[limits.tenant]\nconcurrency = 100\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"3s\"\n",
-        redis.url()
+        "[limits.subject]\nrate = \"1/h\"\nburst = {burst}\nconcurrency = 100\n[limits.tenant]\nconcurrency = 100\n{}pool_size = 2\n",
+        store(&redis.url(), false, "").replace("timeout = \"250ms\"", &format!("timeout = \"{timeout}\""))
     ));
     assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    (redis, d)
+}
+
+#[test]
+fn calls_queued_while_redis_is_busy_share_script_calls_and_each_is_decided_once() {
+    let (redis, d) = one_admitted_on_a_redis_that_can_sleep(40, "3s");
     let before = script_calls(&redis);
     let callers = 48;
     let answers = std::sync::Mutex::new(Vec::new());
@@ -910,12 +917,7 @@ fn every_key_expires_and_outlives_what_it_holds() {
 /// afterwards: no lease and no token are left behind for callers that were told to retry.
 #[test]
 fn calls_given_up_by_their_callers_are_not_decided_later() {
-    let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
-    let d = Daemon::start(&format!(
-        "[limits.subject]\nrate = \"1/h\"\nburst = 100\nconcurrency = 100\n[limits.tenant]\nconcurrency = 100\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"100ms\"\npool_size = 2\n",
-        redis.url()
-    ));
-    assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    let (redis, d) = one_admitted_on_a_redis_that_can_sleep(100, "100ms");
     let statuses = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {
         s.spawn(|| redis.cli(&["DEBUG", "SLEEP", "0.6"]));
