@@ -1,7 +1,7 @@
 -- admitd's shared-store script: every state change of an admission decision, run atomically inside
 -- Redis. Loaded once per connection and called by its SHA (EVALSHA; reloaded on NOSCRIPT).
 --
--- ARGV[1] names the operation, ARGV[2] is its JSON spec (built by src/store/redis.rs) and ARGV[3]
+-- ARGV[1] names the operation, ARGV[2] is its JSON spec (built by src/store/spec.rs) and ARGV[3]
 -- what a lease keeps for its release (JSON, stored as is). Or ARGV[1] is `batch` and the rest are
 -- triples of the same (operation, spec, lease data): several decisions of one replica in one call,
 -- each all or nothing on its own, answered in order (an error answers `{'error', message}` for its

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::redis::{store_error, RedisStore, StoreError};
+use super::redis::{within, RedisStore, StoreError};
 
 /// The most operations one script call carries (see [`RedisStore::lane`]): a batch keeps Redis
 /// busy for about this many decisions, so this also bounds how long one batch delays others.
@@ -122,22 +122,15 @@ impl RedisStore {
         }
     }
 
-    async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, mut batch: Vec<Queued>) {
-        if batch.len() == 1 {
-            let q = batch.remove(0);
-            let mut inv = self.script.key(&q.route);
-            inv.arg(q.op).arg(q.spec).arg(q.data);
-            let _ = q
-                .answer
-                .send(in_flight_bound(inv.invoke_async(&mut con)).await);
-            return;
-        }
+    /// Sends a batch as one script call (`batch`, even of one operation: an error then answers for
+    /// its own operation only, as in a larger batch) and hands each operation its answer.
+    async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, batch: Vec<Queued>) {
         let mut inv = self.script.key(&batch[0].route);
         inv.arg("batch");
         for q in &batch {
             inv.arg(q.op).arg(&q.spec).arg(&q.data);
         }
-        match in_flight_bound(inv.invoke_async(&mut con)).await {
+        match within(IN_FLIGHT_LIMIT, inv.invoke_async(&mut con)).await {
             Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
                 for (q, item) in batch.into_iter().zip(items) {
                     let _ = q.answer.send(batch_item(item));
@@ -162,15 +155,6 @@ impl RedisStore {
 /// behind them wait in the lane, where those whose callers gave up are dropped unsent. Past this
 /// bound (a Redis that never answers), the lane sends again.
 const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(10);
-
-async fn in_flight_bound(
-    call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
-) -> Result<redis::Value, StoreError> {
-    match tokio::time::timeout(IN_FLIGHT_LIMIT, call).await {
-        Err(_) => Err(StoreError::Timeout),
-        Ok(r) => r.map_err(store_error),
-    }
-}
 
 /// One operation's answer in a batch: what it returned, or `{'error', message}` when it failed.
 fn batch_item(v: redis::Value) -> Result<redis::Value, StoreError> {

@@ -397,7 +397,7 @@ impl RedisStore {
                         Conns::Cluster(c) => inv.invoke_async::<redis::Value>(&mut c.clone()).await,
                     }
                 };
-                self.bounded(call).await
+                within(self.cfg.timeout, call).await
             }
         };
         self.telemetry
@@ -407,17 +407,6 @@ impl RedisStore {
             Err(e) => self.failed(e),
         }
         out
-    }
-
-    /// A call to Redis bounded by `[store] timeout`.
-    async fn bounded(
-        &self,
-        call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
-    ) -> Result<redis::Value, StoreError> {
-        match tokio::time::timeout(self.cfg.timeout, call).await {
-            Err(_) => Err(StoreError::Timeout),
-            Ok(r) => r.map_err(store_error),
-        }
     }
 
     fn key(&self, tenant: &str, k: &StateKey) -> String {
@@ -711,8 +700,19 @@ impl RedisStore {
     }
 }
 
+/// A call to Redis bounded by `limit`: past it, a [`StoreError::Timeout`].
+pub(super) async fn within(
+    limit: Duration,
+    call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
+) -> Result<redis::Value, StoreError> {
+    match tokio::time::timeout(limit, call).await {
+        Err(_) => Err(StoreError::Timeout),
+        Ok(r) => r.map_err(store_error),
+    }
+}
+
 /// A Redis client error as the store's.
-pub(super) fn store_error(e: redis::RedisError) -> StoreError {
+fn store_error(e: redis::RedisError) -> StoreError {
     if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
         StoreError::Connection(e.to_string())
     } else if e.is_timeout() {
