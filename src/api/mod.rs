@@ -5,42 +5,48 @@
 //! every failure, including unknown routes and wrong methods, must render the same JSON error body, and
 //! a flat match makes that (and the cost of routing) obvious. [`service`] is what hyper serves: the
 //! routes behind the headers they read, taken from the request beforehand.
+//!
+//! This file is the router. Each route lives in a file named after it (`admit.rs`, `release.rs`,
+//! `feedback.rs`, `tenant.rs`, `ready.rs`, `reload.rs`, `edge.rs`), with its body's shape, its
+//! checks and its answer; what several routes read alike is in `fields.rs`.
 
 pub mod admit;
 pub mod auth;
 pub mod body;
 pub mod edge;
 pub mod error;
+pub mod feedback;
+pub mod fields;
 pub mod gate;
 pub mod inflight;
 pub mod lease;
 pub mod names;
 pub mod overload;
 pub mod policy_cache;
+pub mod ready;
+pub mod release;
+pub mod reload;
 pub mod retry_after;
+pub mod tenant;
 pub mod unparsed;
 
-use std::borrow::Cow;
 use std::cell::Cell;
 use std::sync::Arc;
-use std::time::Duration;
 
 use actix::Addr;
 use bytes::Buf;
 use futures_util::Stream;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use warp::http::{HeaderValue, Method, StatusCode};
 use warp::reply::Response;
 use warp::{Filter, Reply};
 
-use crate::actors::global::{GlobalActor, Reconfigure};
-use crate::actors::{Feedback, Release, Shared, Snapshot};
-use crate::config::Config;
-use crate::engine::{Outcome, ReleaseInfo};
-use crate::telemetry::{FeedbackEvent, ReleaseEvent};
+use crate::actors::global::GlobalActor;
+use crate::actors::Shared;
 use error::ApiError;
+pub use fields::name_field;
 pub use names::check_name;
-use retry_after::{parse_retry_after, MAX_PENALTY};
+pub use reload::reload;
 
 /// What the HTTP layer needs from the rest of the daemon.
 pub struct App {
@@ -248,17 +254,19 @@ where
             let bytes = json_body(&head, body).await?;
             admit::admit(app, head.traceparent, bytes).await
         }
-        "/v1/release" if post => release(app, json_body(&head, body).await?).await,
+        "/v1/release" if post => release::release(app, json_body(&head, body).await?).await,
         // The routes below are rare: their futures are boxed so that they do not make every
         // request's future (moved several times on its way into the connection task) larger.
-        "/v1/feedback" if post => Box::pin(feedback(app, json_body(&head, body).await?)).await,
+        "/v1/feedback" if post => {
+            Box::pin(feedback::feedback(app, json_body(&head, body).await?)).await
+        }
         "/healthz" if get => Ok(json(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
         // Not ready from the moment shutdown starts, so a load balancer stops sending here.
         "/readyz" if get && app.shared.stopping() => Ok(json(
             StatusCode::SERVICE_UNAVAILABLE,
             &serde_json::json!({"ready": false, "store": "memory", "reason": "shutting down"}),
         )),
-        "/readyz" if get => Ok(readiness(app)),
+        "/readyz" if get => Ok(ready::readiness(app)),
         "/metrics" if get && app.metrics.is_some() => {
             // Every decision answered before the scrape is in it.
             Box::pin(app.shared.telemetry.settle()).await;
@@ -279,12 +287,12 @@ where
         "/v1/admin/reload" if post => {
             // The route takes no body, but one over the limit is refused as anywhere else.
             body::read_limited(body).await?;
-            Box::pin(reload_answer(app)).await
+            Box::pin(reload::reload_answer(app)).await
         }
         // Any method: Envoy's ext_authz sends the original request's.
         p if edge::is_edge_path(p) => Ok(Box::pin(edge::check(app, method, head.edge)).await),
         p if get && p.starts_with("/v1/tenants/") => {
-            Box::pin(tenant_snapshot(app, &p["/v1/tenants/".len()..])).await
+            Box::pin(tenant::tenant_snapshot(app, &p["/v1/tenants/".len()..])).await
         }
         p => {
             let allow = match p {
@@ -329,355 +337,6 @@ where
         return Err(e);
     }
     body::read_limited(body).await
-}
-
-/// Checks a name field of a request.
-pub fn name_field(field: &str, value: &str) -> Result<(), ApiError> {
-    check_name(value).map_err(|e| {
-        ApiError::invalid(format!(
-            "{field} {e} (names are 1 to 128 bytes of UTF-8 without control characters)"
-        ))
-    })
-}
-
-/// `retry_after` as sent: a string (delay-seconds or HTTP-date) or, leniently, a bare number of seconds.
-#[derive(Deserialize, Debug, Clone)]
-#[serde(untagged)]
-enum RetryAfterValue {
-    Text(String),
-    Seconds(f64),
-}
-
-impl RetryAfterValue {
-    fn parse(&self, wall_ms: i64) -> Result<(Duration, String), ApiError> {
-        match self {
-            RetryAfterValue::Text(s) => parse_retry_after(s, wall_ms)
-                .map(|d| (d, s.clone()))
-                .map_err(ApiError::invalid),
-            RetryAfterValue::Seconds(x) if x.is_finite() && *x >= 0.0 => {
-                let d = Duration::from_secs_f64(x.min(MAX_PENALTY.as_secs_f64()));
-                Ok((d, format!("{x}")))
-            }
-            RetryAfterValue::Seconds(x) => Err(ApiError::invalid(format!(
-                "retry_after {x} must not be negative"
-            ))),
-        }
-    }
-}
-
-/// An HTTP status code from a JSON number: `429` and `429.0` are the same number in JSON.
-fn status_field(field: &str, status: f64) -> Result<u16, ApiError> {
-    if (100.0..=599.0).contains(&status) && status.fract() == 0.0 {
-        Ok(status as u16)
-    } else {
-        Err(ApiError::invalid(format!(
-            "{field} {status} is not an HTTP status code (100 to 599)"
-        )))
-    }
-}
-
-/// The answer to a release.
-const RELEASED: &[u8] = br#"{"released":true}"#;
-
-#[derive(Deserialize)]
-struct ReleaseBody<'a> {
-    /// Borrowed from the request body unless the JSON escapes characters in it.
-    #[serde(borrow)]
-    lease_id: Cow<'a, str>,
-    #[serde(borrow)]
-    outcome: Cow<'a, str>,
-    #[serde(default)]
-    upstream_status: Option<f64>,
-    #[serde(default)]
-    retry_after: Option<RetryAfterValue>,
-    #[serde(default)]
-    duration_ms: Option<f64>,
-}
-
-async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiError> {
-    let b: ReleaseBody = body::parse_json(&bytes)?;
-    let outcome = Outcome::parse(&b.outcome).ok_or_else(|| {
-        ApiError::invalid(format!(
-            "outcome {:?} is not one of ok, error, upstream_rate_limited, cancelled",
-            b.outcome
-        ))
-    })?;
-    let upstream_status = b
-        .upstream_status
-        .map(|s| status_field("upstream_status", s))
-        .transpose()?;
-    let wall = app.shared.clock.wall_ms();
-    let retry_after = b.retry_after.as_ref().map(|r| r.parse(wall)).transpose()?;
-    let duration_ms = match b.duration_ms {
-        Some(d) if d.is_finite() && d >= 0.0 => Some(d.min(u64::MAX as f64 / 2.0) as u64),
-        Some(d) => {
-            return Err(ApiError::invalid(format!(
-                "duration_ms {d} must be a non-negative number"
-            )))
-        }
-        None => None,
-    };
-    let unknown = || {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "unknown_lease",
-            "no such lease: it was never issued, was already released, or expired",
-        )
-    };
-    let (tenant, lease) = lease::decode(&b.lease_id).ok_or_else(unknown)?;
-    let info = ReleaseInfo {
-        outcome,
-        upstream_status,
-        retry_after: retry_after.as_ref().map(|r| r.0),
-        duration_ms,
-    };
-    let msg = Release { lease, info };
-    // With a shared store the lease may be another replica's: this one's actor asks the store.
-    let released = match app.shared.store() {
-        Some(_) => Some(app.shared.ask(&tenant, msg).await?),
-        None => app.shared.ask_existing(&tenant, msg).await?,
-    };
-    let released = released.ok_or_else(unknown)?.map_err(|_| unknown())?;
-    let counted = upstream_status.is_some()
-        || outcome == Outcome::UpstreamRateLimited
-        || duration_ms.is_some();
-    if !app.shared.telemetry.wants_release(counted) {
-        return Ok(json_response(StatusCode::OK, RELEASED));
-    }
-    app.shared.telemetry.release(ReleaseEvent {
-        tenant: Arc::from(tenant.as_str()),
-        subject: released.subject,
-        tool: released.tool,
-        upstream: released.upstream,
-        outcome: outcome.as_str(),
-        upstream_status,
-        retry_after: retry_after.map(|r| r.1),
-        penalty_ms: released.penalty.map(|d| d.as_millis() as u64),
-        duration_ms,
-        lease,
-        released_unix_ns: if app.shared.telemetry.traces() {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-        } else {
-            0
-        },
-    });
-    Ok(json_response(StatusCode::OK, RELEASED))
-}
-
-#[derive(Deserialize)]
-struct FeedbackBody {
-    tenant: String,
-    upstream: String,
-    status: f64,
-    #[serde(default)]
-    retry_after: Option<RetryAfterValue>,
-}
-
-async fn feedback(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiError> {
-    let b: FeedbackBody = body::parse_json(&bytes)?;
-    name_field("tenant", &b.tenant)?;
-    name_field("upstream", &b.upstream)?;
-    let status = status_field("status", b.status)?;
-    let retry_after = b
-        .retry_after
-        .as_ref()
-        .map(|r| r.parse(app.shared.clock.wall_ms()))
-        .transpose()?;
-    let upstream: Arc<str> = Arc::from(b.upstream.as_str());
-    let penalty = app
-        .shared
-        .ask(
-            &b.tenant,
-            Feedback {
-                upstream: upstream.clone(),
-                status,
-                retry_after: retry_after.as_ref().map(|r| r.0),
-            },
-        )
-        .await?;
-    app.shared.telemetry.feedback(FeedbackEvent {
-        tenant: Arc::from(b.tenant.as_str()),
-        upstream,
-        status,
-        retry_after: retry_after.map(|r| r.1),
-        penalty_ms: penalty.map(|d| d.as_millis() as u64),
-    });
-    Ok(json(
-        StatusCode::ACCEPTED,
-        &serde_json::json!({"accepted": true}),
-    ))
-}
-
-async fn tenant_snapshot(app: &Arc<App>, raw: &str) -> Result<Response, ApiError> {
-    let tenant = percent_decode(raw).ok_or_else(|| {
-        ApiError::invalid("the tenant in the path is not valid percent-encoded UTF-8")
-    })?;
-    name_field("tenant", &tenant)?;
-    let unknown = || {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "unknown_tenant",
-            format!("tenant {tenant:?} holds no state"),
-        )
-    };
-    let snap = match app.shared.store() {
-        Some(_) => Some(app.shared.ask(&tenant, Snapshot).await?),
-        None => app.shared.ask_existing(&tenant, Snapshot).await?,
-    };
-    match snap {
-        Some(Some(snap)) => Ok(json(StatusCode::OK, &snap)),
-        _ => Err(unknown()),
-    }
-}
-
-/// `GET /readyz`: 200 while every backend answers (the shared store, when there is one), else 503
-/// naming what does not.
-fn readiness(app: &Arc<App>) -> Response {
-    let Some(store) = app.shared.store() else {
-        return json(
-            StatusCode::OK,
-            &serde_json::json!({"ready": true, "store": "memory"}),
-        );
-    };
-    let (up, state) = store.readiness();
-    if up {
-        json(
-            StatusCode::OK,
-            &serde_json::json!({"ready": true, "store": state}),
-        )
-    } else {
-        json(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &serde_json::json!({
-                "ready": false,
-                "store": state,
-                "reason": "the shared store (redis) does not answer",
-            }),
-        )
-    }
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
-/// Re-reads the config file and swaps policies in. Live buckets, leases and quotas are kept; a file that
-/// does not validate is refused and the running config stays. Returns the keys that need a restart.
-pub async fn reload(
-    shared: &Arc<Shared>,
-    global: &Addr<GlobalActor>,
-) -> Result<Vec<&'static str>, ApiError> {
-    let current = shared.config.load_full();
-    let Some(path) = current.path.clone() else {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "no_config_file",
-            "the daemon runs on built-in defaults (no --config), so there is no file to reload",
-        ));
-    };
-    let path_buf = std::path::PathBuf::from(&path);
-    let new = tokio::task::spawn_blocking(move || Config::load(&path_buf))
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                format!("reload task failed: {e}"),
-            )
-        })?
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_config",
-                format!("{e}; the running config was kept"),
-            )
-        })?;
-    let mut new = new;
-    if let Some(addr) = &current.listen_override {
-        new.server.listen = addr.clone();
-        new.listen_override = Some(addr.clone());
-    }
-    // Against what the process runs with, not the last file read: a key changed by one reload and
-    // changed back by the next needs no restart.
-    let running = &shared.started;
-    let mut restart = Vec::new();
-    if new.server.listen != running.server.listen {
-        restart.push("server.listen");
-    }
-    if new.server.listen.is_unix() && new.server.socket != running.server.socket {
-        restart.push("server.socket_mode/socket_group");
-    }
-    if new.worker_count() != running.worker_count() {
-        restart.push("server.workers");
-    }
-    if new.telemetry.otlp != running.telemetry.otlp {
-        restart.push("telemetry.otlp");
-    }
-    crate::telemetry::set_identity_key(new.telemetry.identity_key.as_ref());
-    if new.state != running.state {
-        restart.push("state");
-    }
-    if new.overload.header_timeout != running.overload.header_timeout {
-        restart.push("overload.header_timeout");
-    }
-    // The store and its connections are made at start; `on_error` and `replicas` are read from the
-    // store's own copy too.
-    if new.store != running.store {
-        restart.push("store");
-    }
-    global
-        .send(Reconfigure(new))
-        .await
-        .map_err(|e| ApiError::unavailable(format!("could not apply the config: {e}")))?;
-    tracing::info!(file = %path, restart_required = ?restart, "config reloaded");
-    Ok(restart)
-}
-
-async fn reload_answer(app: &Arc<App>) -> Result<Response, ApiError> {
-    let restart = reload(&app.shared, &app.global).await?;
-    Ok(json(
-        StatusCode::OK,
-        &serde_json::json!({"reloaded": true, "restart_required": restart}),
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percent_decoding() {
-        assert_eq!(percent_decode("acme").as_deref(), Some("acme"));
-        assert_eq!(percent_decode("a%20b").as_deref(), Some("a b"));
-        assert_eq!(percent_decode("%C3%BC").as_deref(), Some("ü"));
-        assert_eq!(percent_decode("%zz"), None);
-        assert_eq!(percent_decode("%C3"), None);
-        assert_eq!(percent_decode("%"), None);
-    }
-
-    #[test]
-    fn status_codes_are_checked() {
-        assert_eq!(status_field("s", 429.0).unwrap(), 429);
-        assert!(status_field("s", 600.0).is_err());
-        assert!(status_field("s", -1.0).is_err());
-        // A fraction is no status code; NaN and infinities never reach here (JSON has none).
-        assert!(status_field("s", 429.5).is_err());
-    }
 }
 
 #[cfg(test)]
