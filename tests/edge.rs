@@ -1,5 +1,5 @@
-//! Black-box: `GET /v1/edge/check`, asked as a gateway asks it (the original request's headers, no
-//! body). The same route behind a real nginx is tested in `tests/nginx_edge.rs`.
+//! Black-box: `GET /v1/edge/check`, asked as a gateway asks it (the original request's headers,
+//! and with Envoy's `with_request_body` its body), and `POST /v1/edge/refusal`. The same route behind a real nginx is tested in `tests/nginx_edge.rs`.
 
 mod common;
 
@@ -391,4 +391,97 @@ fn check_names_the_line_of_an_edge_problem() {
         "{err}"
     );
     assert!(!err.contains("the-key-itself"), "{err}");
+}
+
+/// As Envoy's `with_request_body` asks: a POST to the check with the original body.
+fn check_with_body(d: &Daemon, headers: &[(&str, &str)], body: &str) -> Answer {
+    let mut r = d.client.post(d.url("/v1/edge/check/mcp"));
+    for (k, v) in headers {
+        r = r.header(*k, *v);
+    }
+    let r = r.body(body.to_string()).send().expect("request");
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let text = r.text().unwrap_or_default();
+    Answer {
+        status,
+        headers,
+        body: serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    }
+}
+
+#[test]
+fn with_the_body_a_refusal_is_the_json_rpc_answer_and_without_it_travels_in_a_header() {
+    let d = Daemon::start(&config(""));
+    let key = ("x-api-key", KEY);
+    let body = |id: &str| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"search"}}}}"#
+        )
+    };
+    for _ in 0..3 {
+        let a = check_with_body(&d, &call(key, "search", "10.1.0.1"), &body("1"));
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    // Over the burst: 429 (the gateway must deny) whose body is the JSON-RPC result for the model.
+    let a = check_with_body(&d, &call(key, "search", "10.1.0.1"), &body("\"q-4\""));
+    assert_eq!(a.status, 429, "{}", a.body);
+    assert_eq!(a.body["jsonrpc"], "2.0");
+    assert_eq!(a.body["id"], "q-4");
+    assert_eq!(a.body["result"]["isError"], true);
+    let retry: u64 = a.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    let text = a.body["result"]["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains(&format!("Wait {retry} second")), "{text}");
+    assert!(a.headers.get("ratelimit").is_some());
+    assert!(a.headers.get("x-admitd-answer").is_none());
+    // Cut by the gateway: the id may be lost, so the plain refusal.
+    let mut cut = call(key, "search", "10.1.0.1");
+    cut.push(("x-envoy-auth-partial-body", "true"));
+    let a = check_with_body(&d, &cut, &body("5")[..30]);
+    assert_eq!(a.status, 429);
+    assert_eq!(a.body["admitted"], false);
+    // No credential, with a body: a JSON-RPC 401 under the request's id.
+    let a = check_with_body(
+        &d,
+        &call(("x-api-key", "nope"), "search", "10.1.0.2"),
+        &body("6"),
+    );
+    assert_eq!(a.status, 401);
+    assert_eq!(a.body["id"], 6);
+    assert!(a.body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("no valid credential"));
+    assert!(a.headers.get("www-authenticate").is_some());
+
+    // Without a body (nginx): the plain answer, and the refusal in X-Admitd-Answer, which
+    // POST /v1/edge/refusal turns into the same JSON-RPC answer.
+    let a = check(&d, &call(key, "search", "10.1.0.1"));
+    assert_eq!(a.status, 429);
+    assert_eq!(a.body["admitted"], false);
+    let refusal = a.headers["x-admitd-answer"].clone();
+    let v: Value = serde_json::from_slice(refusal.as_bytes()).unwrap();
+    assert_eq!(v["status"], 429);
+    assert_eq!(v["tool_result"], a.body["tool_result"]);
+    let r = d
+        .client
+        .post(d.url("/v1/edge/refusal"))
+        .header("x-admitd-answer", refusal)
+        .body(body("7"))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["id"], 7);
+    assert_eq!(v["result"], a.body["tool_result"]);
+    // The route without a refusal says what it needs.
+    let r = d
+        .client
+        .post(d.url("/v1/edge/refusal"))
+        .body(body("8"))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let v: Value = r.json().unwrap();
+    assert!(v["message"].as_str().unwrap().contains("x-admitd-answer"));
 }

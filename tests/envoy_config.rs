@@ -1,6 +1,7 @@
 //! `deploy/envoy/envoy.yaml`, checked for structure (Envoy itself does not run in the tests): the
 //! ext_authz filter asks admitd's edge check before the router, forwards every header the check
-//! reads, passes a refusal's headers to the client, and names only clusters that exist.
+//! reads and the body, passes a refusal's headers to the client, turns a refused call's JSON-RPC
+//! answer into the 200 a server gives, and names only clusters that exist.
 
 use serde_norway::Value;
 
@@ -101,4 +102,44 @@ fn the_envoy_example_asks_the_edge_check_first_and_passes_its_headers() {
     assert!(on_success.iter().any(|s| s == "ratelimit"));
     let upstream = patterns(&response["allowed_upstream_headers"]);
     assert!(upstream.iter().any(|s| s == "x-admitd-tenant"));
+
+    // The body goes to the check, within what admitd reads (64 KiB), so a refusal is answered in
+    // JSON-RPC under the request's id; a larger one is cut, not refused.
+    let body = &authz["with_request_body"];
+    let max = body["max_request_bytes"]
+        .as_u64()
+        .expect("max_request_bytes");
+    assert!((1024..=65536).contains(&max), "{max}");
+    assert_eq!(body["allow_partial_message"].as_bool(), Some(true));
+    assert!(to_client.iter().any(|s| s == "content-type"));
+
+    // The check's 429 with the JSON-RPC answer reaches the client as a server's 200, and only
+    // the check's own refusals (UAEX) are rewritten.
+    let mappers = cfg["local_reply_config"]["mappers"]
+        .as_sequence()
+        .expect("local_reply_config.mappers");
+    let refusal = mappers
+        .iter()
+        .find(|m| m["status_code"].as_u64() == Some(200))
+        .expect("a mapper to 200");
+    let filters = refusal["filter"]["and_filter"]["filters"]
+        .as_sequence()
+        .expect("and_filter");
+    let status = filters
+        .iter()
+        .find_map(|f| f.get("status_code_filter"))
+        .expect("a status_code_filter");
+    assert_eq!(status["comparison"]["op"].as_str(), Some("EQ"));
+    assert_eq!(
+        status["comparison"]["value"]["default_value"].as_u64(),
+        Some(429)
+    );
+    let flags = filters
+        .iter()
+        .find_map(|f| f.get("response_flag_filter"))
+        .expect("a response_flag_filter")["flags"]
+        .as_sequence()
+        .unwrap();
+    assert_eq!(flags.len(), 1);
+    assert_eq!(flags[0].as_str(), Some("UAEX"));
 }

@@ -1,5 +1,7 @@
 //! Black-box: a real nginx with `deploy/nginx/admitd-edge.conf` (its `auth_request` asking admitd's
-//! edge check) in front of a small upstream, driven as an MCP client would drive it.
+//! edge check, its `error_page` handing refusals to `POST /v1/edge/refusal`) in front of a small
+//! upstream, driven as an MCP client would drive it. The clients' tests (clients/python/tests,
+//! clients/js/test) put real SDK clients and servers on both sides of the same file.
 //!
 //! It needs the `nginx` binary (Debian package `nginx-light`; `scripts/test.sh` installs it). nginx
 //! runs on a free loopback port with its prefix, pid file, logs and temp paths in a temp dir, never
@@ -168,31 +170,53 @@ fn start_nginx(admitd: &str, upstream: &str) -> Nginx {
 struct Reply {
     status: u16,
     headers: reqwest::header::HeaderMap,
+    body: String,
 }
 
 impl Reply {
     fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
+
+    fn json(&self) -> serde_json::Value {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "{}",
+            self.body
+        );
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
 }
+
+const CALL: &str =
+    r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"search","arguments":{}}}"#;
 
 /// A `tools/call` of `search` through nginx, as a streamable-HTTP MCP client sends it.
 fn tools_call(nginx: &Nginx, key: &str, version: &str) -> Reply {
-    let r = reqwest::blocking::Client::new()
+    post(nginx, Some(key), version, "tools/call", CALL)
+}
+
+fn post(nginx: &Nginx, key: Option<&str>, version: &str, method: &str, body: &str) -> Reply {
+    let mut req = reqwest::blocking::Client::new()
         .post(format!("http://127.0.0.1:{}/mcp", nginx.port))
         .header("content-type", "application/json")
         .header("accept", "application/json, text/event-stream")
-        .header("authorization", format!("Bearer {key}"))
-        .header("mcp-method", "tools/call")
+        .header("mcp-method", method)
         .header("mcp-name", "search")
-        .header("mcp-protocol-version", version)
-        .body(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"search","arguments":{}}}"#)
+        .header("mcp-protocol-version", version);
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    let r = req
+        .body(body.to_string())
         .timeout(Duration::from_secs(10))
         .send()
         .expect("request through nginx");
     Reply {
         status: r.status().as_u16(),
         headers: r.headers().clone(),
+        body: r.text().unwrap_or_default(),
     }
 }
 
@@ -204,7 +228,7 @@ fn nginx_auth_request_admits_refuses_and_limits_failed_authentications() {
         .collect();
     let d = Daemon::start(&format!(
         "[limits.subject]\nrate = \"1/min\"\nburst = 2\n\
-         [edge]\nclient_address_header = \"x-real-ip\"\nfailed_auth_rate = \"1/min\"\nfailed_auth_burst = 3\n\
+         [edge]\nclient_address_header = \"x-real-ip\"\nbudget_methods = [\"tools/call\", \"prompts/get\"]\nfailed_auth_rate = \"1/min\"\nfailed_auth_burst = 3\n\
          [[edge.api_keys]]\nsha256 = \"{hash}\"\ntenant = \"acme\"\nsubject = \"acme-bot\"\n"
     ));
     let (up, seen) = upstream();
@@ -228,9 +252,11 @@ fn nginx_auth_request_admits_refuses_and_limits_failed_authentications() {
         assert!(head.contains("x-admitd-subject: acme-bot\r\n"), "{head}");
     }
 
-    // Over the subject's burst: the client sees admitd's 429 and its headers; the upstream nothing.
+    // Over the subject's burst: the client gets the JSON-RPC answer a server would give, a
+    // CallToolResult with isError and the wait under the request's id, with admitd's headers;
+    // the upstream sees nothing.
     let r = tools_call(&nginx, KEY, VERSION);
-    assert_eq!(r.status, 429, "{}", nginx.error_log());
+    assert_eq!(r.status, 200, "{} {}", r.body, nginx.error_log());
     let retry: u64 = r
         .header("retry-after")
         .expect("Retry-After")
@@ -243,21 +269,72 @@ fn nginx_auth_request_admits_refuses_and_limits_failed_authentications() {
     assert!(r
         .header("ratelimit-policy")
         .is_some_and(|v| v.contains("\"subject\";q=2")));
+    let v = r.json();
+    assert_eq!(v["jsonrpc"], "2.0");
+    assert_eq!(v["id"], 1);
+    let result = &v["result"];
+    assert_eq!(result["isError"], true, "{v}");
+    assert_eq!(result["structuredContent"]["scope"], "subject");
+    let ms = result["structuredContent"]["retry_after_ms"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(ms.div_ceil(1000), retry, "{v}");
+    let text = result["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains(&format!("Wait {retry} second")), "{text}");
+    // Whatever type its id: a string id comes back as the same string.
+    let r = post(
+        &nginx,
+        Some(KEY),
+        VERSION,
+        "tools/call",
+        &CALL.replace("\"id\":1", "\"id\":\"call-7\""),
+    );
+    assert_eq!(r.json()["id"], "call-7");
+    // Another method over a limit: a JSON-RPC error with the wait (here with a budget of its own).
+    let body = r#"{"jsonrpc":"2.0","id":9,"method":"prompts/get","params":{"name":"search"}}"#;
+    let r = post(&nginx, Some(KEY), VERSION, "prompts/get", body);
+    let v = r.json();
+    assert_eq!((r.status, &v["id"]), (200, &serde_json::json!(9)), "{v}");
+    assert_eq!(v["error"]["code"], -32010, "{v}");
+    assert!(v["error"]["data"]["retry_after_ms"].as_u64().unwrap() > 0);
+    // A body that is not JSON-RPC: a JSON-RPC error that says so.
+    let r = post(&nginx, Some(KEY), VERSION, "tools/call", "{not json");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], -32700);
     assert_eq!(seen.lock().unwrap().len(), 2);
 
-    // An old protocol revision is refused with 400.
-    assert_eq!(tools_call(&nginx, KEY, "2025-06-18").status, 400);
+    // An old protocol revision is refused with 400, the specification's code, and the request's id.
+    let r = tools_call(&nginx, KEY, "2025-06-18");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], -32022);
+    assert_eq!(r.json()["id"], 1);
 
-    // Bad keys: 401 until the address's failed-authentication limit, then 429 even for a good key.
-    for _ in 0..3 {
+    // No credential: a JSON-RPC 401 that names the problem, not nginx's HTML page.
+    let r = post(&nginx, None, VERSION, "tools/call", CALL);
+    assert_eq!(r.status, 401);
+    let v = r.json();
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("no valid credential"));
+    assert!(r.header("www-authenticate").is_some());
+
+    // Bad keys: 401 until the address's failed-authentication limit, then a wait even for a good
+    // key (one is spent above already).
+    for _ in 0..2 {
         let r = tools_call(&nginx, "not-a-key", VERSION);
         assert_eq!(r.status, 401, "{}", nginx.error_log());
     }
     let r = tools_call(&nginx, "not-a-key", VERSION);
-    assert_eq!(r.status, 429);
+    assert_eq!(r.status, 200);
     assert!(r
         .header("retry-after")
         .is_some_and(|v| v.parse::<u64>().is_ok()));
-    assert_eq!(tools_call(&nginx, KEY, VERSION).status, 429);
+    let v = tools_call(&nginx, KEY, VERSION).json();
+    assert_eq!(v["result"]["isError"], true);
+    assert_eq!(
+        v["result"]["structuredContent"]["error"],
+        "too_many_failed_authentications"
+    );
     assert_eq!(seen.lock().unwrap().len(), 2);
 }

@@ -85,6 +85,9 @@ fn guard_methods(arm: &str) -> BTreeSet<String> {
     if words.contains(&"post") {
         m.insert("POST".to_string());
     }
+    if words.contains(&"delete") {
+        m.insert("DELETE".to_string());
+    }
     assert!(!m.is_empty(), "no method in the guard of `{arm}`");
     m
 }

@@ -455,6 +455,11 @@ struct ShedBody<'a> {
     tool_result: ToolResult<'a>,
 }
 
+/// A shed call's `CallToolResult` as JSON, for answers made elsewhere (the edge check's JSON-RPC).
+pub(super) fn tool_result_json(s: &Shed) -> serde_json::Value {
+    serde_json::to_value(shed_body(s).tool_result).unwrap_or_default()
+}
+
 fn shed_body(s: &Shed) -> ShedBody<'_> {
     ShedBody {
         admitted: false,

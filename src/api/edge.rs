@@ -31,6 +31,7 @@ use subtle::ConstantTimeEq;
 use warp::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use warp::reply::{Reply, Response};
 
+use super::edge_answer::{self, Refusal};
 use super::error::ApiError;
 use super::{admit, json, name_field, App};
 use crate::actors::{AdmitReply, CancelWaiter, EndEdgeLease};
@@ -238,9 +239,32 @@ fn is_revision(v: &str) -> bool {
     (1..=12).contains(&month) && (1..=31).contains(&day)
 }
 
-fn bad_request(message: String) -> Response {
+/// A refusal of the check: the plain answer (a JSON error or the contract's shed body, with its
+/// headers), and what its JSON-RPC answer is made from (`edge_answer`).
+pub struct Refused {
+    plain: Response,
+    refusal: Refusal,
+}
+
+impl Refused {
+    fn from_error(e: ApiError) -> Self {
+        let refusal = Refusal::new(e.status, e.code, e.message.clone());
+        Refused {
+            plain: e.into_response(),
+            refusal,
+        }
+    }
+}
+
+/// A 400 for the request's MCP headers; `error` is the JSON-RPC answer's kind
+/// (`header_mismatch` or `unsupported_protocol_version`), the plain answer stays `invalid_request`.
+fn bad_request(error: &str, message: String) -> Refused {
     counted("bad_request");
-    ApiError::invalid(message).into_response()
+    let refusal = Refusal::new(StatusCode::BAD_REQUEST, error, message.clone());
+    Refused {
+        plain: ApiError::invalid(message).into_response(),
+        refusal,
+    }
 }
 
 static TENANT: HeaderName = HeaderName::from_static("x-admitd-tenant");
@@ -248,52 +272,102 @@ static SUBJECT: HeaderName = HeaderName::from_static("x-admitd-subject");
 
 /// Answers one edge check. `headers` are the forwarded request's; `method` is the check request's
 /// own (Envoy sends the original method, nginx's subrequests are GETs and say the original in
-/// `X-Original-Method`).
-pub async fn check(app: &Arc<App>, method: &Method, headers: Option<Box<HeaderMap>>) -> Response {
+/// `X-Original-Method`). `body` is the original request's body when the gateway sends it (Envoy's
+/// `with_request_body`): a refusal is then answered in JSON-RPC at once, as the MCP server would
+/// have answered; without one, the refusal travels in the `X-Admitd-Answer` header for
+/// `POST /v1/edge/refusal` (see `edge_answer`).
+pub async fn check(
+    app: &Arc<App>,
+    method: &Method,
+    headers: Option<Box<HeaderMap>>,
+    body: Option<bytes::Bytes>,
+) -> Response {
+    let h = headers.unwrap_or_default();
+    // Envoy says so when it cut the body at max_request_bytes: the id may be in the part cut off.
+    let partial = header(&h, "x-envoy-auth-partial-body") == Some("true");
+    let body = body.filter(|b| !partial && !b.iter().all(u8::is_ascii_whitespace));
+    match decide(app, method, &h).await {
+        Ok(r) => r,
+        Err(Refused { mut plain, refusal }) => match body {
+            Some(body) => {
+                let a = edge_answer::answer(&refusal, &body);
+                // A gateway lets through what its check answers 200: the refusal keeps its own
+                // status (Envoy's local_reply_config turns a 429 back into the 200 a server gives).
+                let status = if a.status == StatusCode::OK {
+                    StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
+                } else {
+                    a.status
+                };
+                let mut r = edge_answer::render(&edge_answer::Answer {
+                    status,
+                    body: a.body,
+                });
+                for (name, value) in plain.headers() {
+                    if name != warp::http::header::CONTENT_TYPE
+                        && name != warp::http::header::CONTENT_LENGTH
+                    {
+                        r.headers_mut().append(name, value.clone());
+                    }
+                }
+                r
+            }
+            None => {
+                if let Some(v) = refusal.header_value() {
+                    plain
+                        .headers_mut()
+                        .insert(HeaderName::from_static(edge_answer::ANSWER_HEADER), v);
+                }
+                plain
+            }
+        },
+    }
+}
+
+async fn decide(app: &Arc<App>, method: &Method, h: &HeaderMap) -> Result<Response, Refused> {
     let cfg = app.shared.config.load_full();
     let Some(edge) = cfg.edge.as_ref() else {
-        return ApiError::new(
+        return Err(Refused::from_error(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
             "the edge check is off: add an [edge] section to the config to turn it on",
-        )
-        .into_response();
+        )));
     };
-    let h = headers.unwrap_or_default();
     let now = app.shared.clock.mono();
     let (per_sec, burst) = (
         edge.failed_auth_rate.per_sec,
         f64::from(edge.failed_auth_burst),
     );
 
-    let addr = client_address(&h, &edge.client_address_header);
+    let addr = client_address(h, &edge.client_address_header);
     if let Some(wait_ns) = app.edge.blocked(addr, now, per_sec, burst) {
         counted("auth_limited");
-        return failed_auth_limited(wait_ns, edge);
+        return Err(failed_auth_limited(wait_ns, edge));
     }
 
     let min = &edge.min_protocol_version;
-    match header(&h, "mcp-protocol-version") {
+    let old = "unsupported_protocol_version";
+    match header(h, "mcp-protocol-version") {
         None => {
-            let why = absent(&h, "mcp-protocol-version", "MCP-Protocol-Version");
-            return bad_request(format!(
+            let why = absent(h, "mcp-protocol-version", "MCP-Protocol-Version");
+            return Err(bad_request(old, format!(
                 "{why}; the edge check needs MCP revision {min} or later, whose servers check the Mcp-Method and Mcp-Name headers against the body"
-            ));
+            )));
         }
         Some(v) if !is_revision(v) => {
-            return bad_request(format!(
-                "MCP-Protocol-Version {v:?} is not an MCP revision (YYYY-MM-DD, such as {min})"
+            return Err(bad_request(
+                old,
+                format!("MCP-Protocol-Version {v:?} is not an MCP revision (YYYY-MM-DD, such as {min})"),
             ))
         }
         Some(v) if v < min.as_str() => {
-            return bad_request(format!(
+            return Err(bad_request(old, format!(
                 "MCP-Protocol-Version {v:?} is older than {min}, the first revision whose servers check the Mcp-Method and Mcp-Name headers against the body; the gateway cannot limit on those headers before it"
-            ))
+            )))
         }
         Some(_) => {}
     }
 
-    let identity = match credential(&h) {
+    let identity = match credential(h) {
         Ok(Some(token)) => identify(edge, token),
         _ => None,
     };
@@ -301,46 +375,44 @@ pub async fn check(app: &Arc<App>, method: &Method, headers: Option<Box<HeaderMa
         app.edge.failed(addr, now, per_sec, burst);
         counted("unauthorized");
         tracing::debug!(client = addr, "edge check: no valid credential");
-        let mut r = ApiError::new(
+        let mut refused = Refused::from_error(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "no valid credential: send Authorization: Bearer <key or JWT>, or X-Api-Key: <key>",
-        )
-        .into_response();
-        r.headers_mut().insert(
+        ));
+        refused.plain.headers_mut().insert(
             warp::http::header::WWW_AUTHENTICATE,
             HeaderValue::from_static("Bearer realm=\"admitd\""),
         );
-        return r;
+        return Err(refused);
     };
 
-    let original = header(&h, "x-original-method").unwrap_or(method.as_str());
-    let mcp_method = match header(&h, "mcp-method") {
+    let original = header(h, "x-original-method").unwrap_or(method.as_str());
+    let mismatch = "header_mismatch";
+    let mcp_method = match header(h, "mcp-method") {
         Some(m) => m,
         // Streamable HTTP's GET (the event stream) and DELETE (end of session) carry no JSON-RPC
         // message, so no method to mirror.
         None if ["GET", "HEAD", "DELETE"].contains(&original) => "",
         None => {
-            let why = absent(&h, "mcp-method", "Mcp-Method");
-            return bad_request(format!(
+            let why = absent(h, "mcp-method", "Mcp-Method");
+            return Err(bad_request(mismatch, format!(
                 "{why}: a request that carries an MCP message names its method in the Mcp-Method header"
-            ));
+            )));
         }
     };
     let mut r = if edge.budget_methods.iter().any(|m| m == mcp_method) {
-        let Some(tool) = header(&h, "mcp-name") else {
-            let why = absent(&h, "mcp-name", "Mcp-Name");
-            return bad_request(format!(
-                "{why}: a {mcp_method} request names its tool in the Mcp-Name header"
+        let Some(tool) = header(h, "mcp-name") else {
+            let why = absent(h, "mcp-name", "Mcp-Name");
+            return Err(bad_request(
+                mismatch,
+                format!("{why}: a {mcp_method} request names its tool in the Mcp-Name header"),
             ));
         };
         if let Err(e) = name_field("Mcp-Name", tool) {
-            return bad_request(e.message);
+            return Err(bad_request(mismatch, e.message));
         }
-        match Box::pin(admit_at_edge(app, &tenant, &subject, tool, now)).await {
-            Ok(r) => r,
-            Err(e) => return e.into_response(),
-        }
+        Box::pin(admit_at_edge(app, &tenant, &subject, tool, now)).await?
     } else {
         counted("unmetered");
         json(
@@ -348,25 +420,24 @@ pub async fn check(app: &Arc<App>, method: &Method, headers: Option<Box<HeaderMa
             &serde_json::json!({"admitted": true, "metered": false}),
         )
     };
-    if r.status() == StatusCode::OK {
-        for (name, value) in [(&TENANT, &tenant), (&SUBJECT, &subject)] {
-            if let Ok(v) = HeaderValue::from_bytes(value.as_bytes()) {
-                r.headers_mut().insert(name, v);
-            }
+    for (name, value) in [(&TENANT, &tenant), (&SUBJECT, &subject)] {
+        if let Ok(v) = HeaderValue::from_bytes(value.as_bytes()) {
+            r.headers_mut().insert(name, v);
         }
     }
-    r
+    Ok(r)
 }
 
 /// The 429 for a client address over its failed-authentication limit.
-fn failed_auth_limited(wait_ns: u64, edge: &EdgeConfig) -> Response {
+fn failed_auth_limited(wait_ns: u64, edge: &EdgeConfig) -> Refused {
     let secs = wait_ns.div_ceil(NS_PER_SEC).max(1);
-    let mut r = ApiError::new(
+    let mut refused = Refused::from_error(ApiError::new(
         StatusCode::TOO_MANY_REQUESTS,
         "too_many_failed_authentications",
         format!("too many failed authentications from this address; retry in {secs} seconds"),
-    )
-    .into_response();
+    ));
+    refused.refusal.retry_after_ms = Some(secs * 1000);
+    let r = &mut refused.plain;
     let refill_secs = (f64::from(edge.failed_auth_burst) / edge.failed_auth_rate.per_sec).ceil();
     let h = r.headers_mut();
     h.insert(warp::http::header::RETRY_AFTER, HeaderValue::from(secs));
@@ -379,7 +450,7 @@ fn failed_auth_limited(wait_ns: u64, edge: &EdgeConfig) -> Response {
     if let Ok(v) = HeaderValue::from_str(&format!("\"failed_auth\";r=0;t={secs}")) {
         h.insert("ratelimit", v);
     }
-    r
+    refused
 }
 
 /// The rate-only admission of an edge check (see the module doc): decided without waiting, its
@@ -390,7 +461,7 @@ async fn admit_at_edge(
     subject: &str,
     tool: &str,
     started: Nanos,
-) -> Result<Response, ApiError> {
+) -> Result<Response, Refused> {
     let shared = &app.shared;
     let req = AdmitRequest {
         subject: CompactString::from(subject),
@@ -400,45 +471,66 @@ async fn admit_at_edge(
         max_wait_ns: 0,
         returning: false,
     };
-    let (decision, tenant_name) = match shared.admit(tenant, req, started).await? {
+    let reply = shared
+        .admit(tenant, req, started)
+        .await
+        .map_err(|e| Refused::from_error(e.into()))?;
+    let (decision, tenant_name) = match reply {
         AdmitReply::Decided(d, name) => (d, name),
-        AdmitReply::Late => return Err(crate::actors::AskError::Timeout.into()),
+        AdmitReply::Late => {
+            return Err(Refused::from_error(crate::actors::AskError::Timeout.into()))
+        }
         AdmitReply::StoreDown => {
-            return Err(ApiError::unavailable(
+            return Err(Refused::from_error(ApiError::unavailable(
                 "the shared state of the limits does not answer; retry the request",
-            ))
+            )))
         }
         // Never with no wait allowed; if it were, the caller is not held.
         AdmitReply::Queued { waiter, .. } => {
             shared.tell_existing(tenant, CancelWaiter(waiter));
-            return Err(ApiError::unavailable(
+            return Err(Refused::from_error(ApiError::unavailable(
                 "the tenant's slots are all held; retry the request",
-            ));
+            )));
         }
     };
     let decision_ns = shared.clock.mono().saturating_sub(started);
     let (mut response, event) =
         admit::answer(tenant_name, &decision, None, None, decision_ns, 0, false);
     shared.telemetry.decision(event);
-    if let Verdict::Admitted(a) = &decision.verdict {
-        shared.tell_existing(tenant, EndEdgeLease(a.lease));
-        counted("admitted");
-        // The lease is over already: the body says what was admitted, without a lease id.
-        let tightest = decision.tightest();
-        let body = serde_json::json!({
-            "admitted": true,
-            "metered": true,
-            "mode": a.mode.as_str(),
-            "remaining": tightest.map(|t| t.remaining),
-            "limit": tightest.map(|t| t.burst),
-        });
-        let mut fresh = json(StatusCode::OK, &body);
-        std::mem::swap(fresh.headers_mut(), response.headers_mut());
-        response = fresh;
-    } else {
-        counted("shed");
+    match &decision.verdict {
+        Verdict::Admitted(a) => {
+            shared.tell_existing(tenant, EndEdgeLease(a.lease));
+            counted("admitted");
+            // The lease is over already: the body says what was admitted, without a lease id.
+            let tightest = decision.tightest();
+            let body = serde_json::json!({
+                "admitted": true,
+                "metered": true,
+                "mode": a.mode.as_str(),
+                "remaining": tightest.map(|t| t.remaining),
+                "limit": tightest.map(|t| t.burst),
+            });
+            let mut fresh = json(StatusCode::OK, &body);
+            std::mem::swap(fresh.headers_mut(), response.headers_mut());
+            Ok(fresh)
+        }
+        Verdict::Shed(s) => {
+            counted("shed");
+            let refusal = Refusal {
+                retry_after_ms: Some(s.retry_after_ms),
+                tool_result: Some(admit::tool_result_json(s)),
+                ..Refusal::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limited",
+                    s.message.clone(),
+                )
+            };
+            Err(Refused {
+                plain: response,
+                refusal,
+            })
+        }
     }
-    Ok(response)
 }
 
 #[cfg(test)]

@@ -7,13 +7,15 @@
 //! routes behind the headers they read, taken from the request beforehand.
 //!
 //! This file is the router. Each route lives in a file named after it (`admit.rs`, `release.rs`,
-//! `feedback.rs`, `tenant.rs`, `ready.rs`, `reload.rs`, `edge.rs`), with its body's shape, its
+//! `feedback.rs`, `tenant.rs`, `ready.rs`, `reload.rs`, `edge.rs`, `edge_answer.rs` for
+//! `/v1/edge/refusal`), with its body's shape, its
 //! checks and its answer; what several routes read alike is in `fields.rs`.
 
 pub mod admit;
 pub mod auth;
 pub mod body;
 pub mod edge;
+pub mod edge_answer;
 pub mod error;
 pub mod feedback;
 pub mod fields;
@@ -142,7 +144,7 @@ where
     fn call(&self, req: warp::http::Request<hyper::body::Incoming>) -> Self::Future {
         let mut head = body::Head::read(req.headers(), self.traced);
         // The edge check reads many headers, some named by the config: it gets a copy of them all.
-        if edge::is_edge_path(req.uri().path()) {
+        if edge::is_edge_path(req.uri().path()) || req.uri().path() == edge_answer::PATH {
             head.edge = Some(Box::new(req.headers().clone()));
         }
         WithHead {
@@ -228,6 +230,7 @@ where
     // HEAD is GET without the body (hyper leaves the body out), as HTTP asks of every GET route.
     let get = method == Method::GET || method == Method::HEAD;
     let post = method == Method::POST;
+    let delete = method == Method::DELETE;
     let class = auth::class(path);
     if class != auth::Class::Open {
         let unix_only = app.shared.started.server.listen.is_unix();
@@ -290,7 +293,18 @@ where
             Box::pin(reload::reload_answer(app)).await
         }
         // Any method: Envoy's ext_authz sends the original request's.
-        p if edge::is_edge_path(p) => Ok(Box::pin(edge::check(app, method, head.edge)).await),
+        p if edge::is_edge_path(p) => {
+            // Envoy's with_request_body sends the original body along; nginx's subrequest none.
+            // One over the limit is answered as if absent: the refusal is then plain.
+            let bytes = body::read_limited(body).await.ok();
+            Ok(Box::pin(edge::check(app, method, head.edge, bytes)).await)
+        }
+        // nginx's error_page hands the refused request on as it came: a POST, or the GET of an
+        // event stream or the DELETE that ends a session refused for their credential.
+        "/v1/edge/refusal" if post || get || delete => {
+            let bytes = body::read_limited(body).await.unwrap_or_default();
+            edge_answer::refusal_route(head.edge.as_deref(), &bytes)
+        }
         p if get && p.starts_with("/v1/tenants/") => {
             Box::pin(tenant::tenant_snapshot(app, &p["/v1/tenants/".len()..])).await
         }
@@ -298,6 +312,7 @@ where
             let allow = match p {
                 "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/admin/reload" => Some("POST"),
                 "/healthz" | "/readyz" => Some("GET, HEAD"),
+                "/v1/edge/refusal" => Some("GET, POST, DELETE, HEAD"),
                 "/metrics" if app.metrics.is_some() => Some("GET, HEAD"),
                 "/v1/alerts" if app.alerts.is_some() => Some("GET, HEAD"),
                 p if p.starts_with("/v1/tenants/") => Some("GET, HEAD"),
