@@ -274,6 +274,8 @@ fn nginx_auth_request_admits_refuses_and_limits_failed_authentications() {
     assert_eq!(v["id"], 1);
     let result = &v["result"];
     assert_eq!(result["isError"], true, "{v}");
+    // Written in the request's revision: 2026-07-28 results say they are complete.
+    assert_eq!(result["resultType"], "complete", "{v}");
     assert_eq!(result["structuredContent"]["scope"], "subject");
     let ms = result["structuredContent"]["retry_after_ms"]
         .as_u64()

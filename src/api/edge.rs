@@ -8,11 +8,13 @@
 //!    failed-authentication limit; if it is, 429 before the credential is even looked at, so a
 //!    source guessing keys learns nothing more. This limit lives here, in its own table, and never
 //!    touches a tenant's budget: a stranger's failures cannot shed a tenant's calls.
-//! 2. `MCP-Protocol-Version` must be at least `[edge] min_protocol_version`: the gateway limits on
+//! 2. The credential (`Authorization: Bearer`, else `X-Api-Key`) must be a configured API key (by
+//!    its SHA-256, compared in constant time) or a valid JWT; it yields the tenant and subject.
+//!    It comes before the protocol version: a client without a credential falls back to older
+//!    handshakes, and must hear that its credential is missing, not that its revision is old.
+//! 3. `MCP-Protocol-Version` must be at least `[edge] min_protocol_version`: the gateway limits on
 //!    the mirrored `Mcp-Method` / `Mcp-Name` headers, which only that revision makes servers check
 //!    against the body.
-//! 3. The credential (`Authorization: Bearer`, else `X-Api-Key`) must be a configured API key (by
-//!    its SHA-256, compared in constant time) or a valid JWT; it yields the tenant and subject.
 //! 4. For a metered method (`tools/call` unless configured otherwise), the call is admitted on the
 //!    tool named by `Mcp-Name`, without waiting: the gateway holds the client's request meanwhile.
 //!
@@ -290,7 +292,7 @@ pub async fn check(
         Ok(r) => r,
         Err(Refused { mut plain, refusal }) => match body {
             Some(body) => {
-                let a = edge_answer::answer(&refusal, &body);
+                let a = edge_answer::answer(&refusal, &body, header(&h, "mcp-protocol-version"));
                 // A gateway lets through what its check answers 200: the refusal keeps its own
                 // status (Envoy's local_reply_config turns a 429 back into the 200 a server gives).
                 let status = if a.status == StatusCode::OK {
@@ -344,6 +346,26 @@ async fn decide(app: &Arc<App>, method: &Method, h: &HeaderMap) -> Result<Respon
         return Err(failed_auth_limited(wait_ns, edge));
     }
 
+    let identity = match credential(h) {
+        Ok(Some(token)) => identify(edge, token),
+        _ => None,
+    };
+    let Some((tenant, subject)) = identity else {
+        app.edge.failed(addr, now, per_sec, burst);
+        counted("unauthorized");
+        tracing::debug!(client = addr, "edge check: no valid credential");
+        let mut refused = Refused::from_error(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "no valid credential: send Authorization: Bearer <key or JWT>, or X-Api-Key: <key>",
+        ));
+        refused.plain.headers_mut().insert(
+            warp::http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"admitd\""),
+        );
+        return Err(refused);
+    };
+
     let min = &edge.min_protocol_version;
     let old = "unsupported_protocol_version";
     match header(h, "mcp-protocol-version") {
@@ -366,26 +388,6 @@ async fn decide(app: &Arc<App>, method: &Method, h: &HeaderMap) -> Result<Respon
         }
         Some(_) => {}
     }
-
-    let identity = match credential(h) {
-        Ok(Some(token)) => identify(edge, token),
-        _ => None,
-    };
-    let Some((tenant, subject)) = identity else {
-        app.edge.failed(addr, now, per_sec, burst);
-        counted("unauthorized");
-        tracing::debug!(client = addr, "edge check: no valid credential");
-        let mut refused = Refused::from_error(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "no valid credential: send Authorization: Bearer <key or JWT>, or X-Api-Key: <key>",
-        ));
-        refused.plain.headers_mut().insert(
-            warp::http::header::WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer realm=\"admitd\""),
-        );
-        return Err(refused);
-    };
 
     let original = header(h, "x-original-method").unwrap_or(method.as_str());
     let mismatch = "header_mismatch";

@@ -232,10 +232,14 @@ fn error(status: StatusCode, id: Value, code: i64, message: &str, data: Option<V
     }
 }
 
+/// The first MCP revision whose results carry `resultType` (its clients refuse a result without).
+const RESULT_TYPE_SINCE: &str = "2026-07-28";
+
 /// The answer an MCP server would give to the request in `body` had it refused it as `refusal`
 /// says. Requests are answered under their own id (HTTP 200, as a server answers a request);
 /// what has no id to answer under gets a JSON-RPC error with `"id": null` and the refusal's status.
-pub fn answer(refusal: &Refusal, body: &[u8]) -> Answer {
+/// `version` is the request's `MCP-Protocol-Version`: the result is written in that revision.
+pub fn answer(refusal: &Refusal, body: &[u8], version: Option<&str>) -> Answer {
     let status = StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
     let message = classify(body);
     // A credential is checked before a body is read, on a server as here.
@@ -267,10 +271,17 @@ pub fn answer(refusal: &Refusal, body: &[u8]) -> Answer {
         _ => INTERNAL_ERROR,
     };
     match method.as_deref() {
-        Some("tools/call") if refusal.is_wait() => Answer {
-            status: StatusCode::OK,
-            body: json!({"jsonrpc": "2.0", "id": id, "result": refusal.tool_result()}),
-        },
+        Some("tools/call") if refusal.is_wait() => {
+            let mut result = refusal.tool_result();
+            // Revisions are dates (YYYY-MM-DD): they compare as strings.
+            if version.is_some_and(|v| v.trim() >= RESULT_TYPE_SINCE) {
+                result["resultType"] = "complete".into();
+            }
+            Answer {
+                status: StatusCode::OK,
+                body: json!({"jsonrpc": "2.0", "id": id, "result": result}),
+            }
+        }
         Some(_) if refusal.is_wait() => error(
             StatusCode::OK,
             id,
@@ -290,8 +301,12 @@ pub fn render(a: &Answer) -> Response {
 /// `POST /v1/edge/refusal` (any method: nginx hands the original request on as it came).
 pub fn refusal_route(headers: Option<&HeaderMap>, body: &[u8]) -> Result<Response, ApiError> {
     let empty = HeaderMap::new();
-    let refusal = Refusal::from_headers(headers.unwrap_or(&empty))?;
-    Ok(render(&answer(&refusal, body)))
+    let headers = headers.unwrap_or(&empty);
+    let refusal = Refusal::from_headers(headers)?;
+    let version = headers
+        .get("mcp-protocol-version")
+        .and_then(|v| v.to_str().ok());
+    Ok(render(&answer(&refusal, body, version)))
 }
 
 #[cfg(test)]
@@ -321,7 +336,7 @@ mod tests {
     #[test]
     fn a_refused_tool_call_is_a_tool_result_under_its_own_id_of_any_type() {
         for id in ["7", "0", "-3", "1.5", "\"abc\"", "\"\"", "\"ü-1\""] {
-            let a = answer(&shed(), call(id).as_bytes());
+            let a = answer(&shed(), call(id).as_bytes(), None);
             assert_eq!(a.status, StatusCode::OK, "{id}");
             let want: Value = serde_json::from_str(id).unwrap();
             assert_eq!(a.body["id"], want, "{id}");
@@ -332,10 +347,27 @@ mod tests {
     }
 
     #[test]
+    fn from_2026_07_28_on_the_result_says_it_is_complete() {
+        for (version, tagged) in [
+            (None, false),
+            (Some("2025-11-25"), false),
+            (Some("2026-07-28"), true),
+            (Some("2027-01-01"), true),
+        ] {
+            let a = answer(&shed(), call("1").as_bytes(), version);
+            let tag = a.body["result"].get("resultType");
+            assert_eq!(tag.is_some(), tagged, "{version:?}");
+            if tagged {
+                assert_eq!(tag.unwrap(), "complete");
+            }
+        }
+    }
+
+    #[test]
     fn the_method_is_read_from_the_body_wherever_the_id_is() {
         // The TypeScript SDK writes the id last.
         let body = r#"{"method":"tools/call","params":{"name":"x"},"jsonrpc":"2.0","id":42}"#;
-        let a = answer(&shed(), body.as_bytes());
+        let a = answer(&shed(), body.as_bytes(), None);
         assert_eq!(a.body["id"], 42);
         assert_eq!(a.body["result"]["isError"], true);
     }
@@ -350,7 +382,7 @@ mod tests {
                 "too many failed authentications from this address; retry in 6 seconds",
             )
         };
-        let a = answer(&r, call("\"c1\"").as_bytes());
+        let a = answer(&r, call("\"c1\"").as_bytes(), None);
         assert_eq!(a.status, StatusCode::OK);
         assert_eq!(a.body["id"], "c1");
         let result = &a.body["result"];
@@ -366,7 +398,7 @@ mod tests {
     #[test]
     fn other_rate_limited_methods_get_a_json_rpc_error_with_the_wait() {
         let body = r#"{"jsonrpc":"2.0","id":"r-9","method":"resources/read","params":{"uri":"x"}}"#;
-        let a = answer(&shed(), body.as_bytes());
+        let a = answer(&shed(), body.as_bytes(), None);
         assert_eq!(a.status, StatusCode::OK);
         assert_eq!(a.body["id"], "r-9");
         assert!(a.body.get("result").is_none());
@@ -392,7 +424,7 @@ mod tests {
             ("not json".to_string(), Value::Null),
             ("[1,2]".to_string(), Value::Null),
         ] {
-            let a = answer(&r, body.as_bytes());
+            let a = answer(&r, body.as_bytes(), None);
             assert_eq!(a.status, StatusCode::UNAUTHORIZED);
             assert_eq!(a.body["jsonrpc"], "2.0");
             assert_eq!(a.body["id"], id, "{body}");
@@ -440,7 +472,7 @@ mod tests {
                 "string or a number",
             ),
         ] {
-            let a = answer(&shed(), body.as_bytes());
+            let a = answer(&shed(), body.as_bytes(), None);
             assert_eq!(a.status, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(a.body["id"], Value::Null, "{body}");
             assert_eq!(a.body["error"]["code"], code, "{body}");
@@ -455,7 +487,7 @@ mod tests {
             "",
             "{\"jsonrpc\":\"2.0\",\"method\":\"notifications/initialized\"}",
         ] {
-            let a = answer(&shed(), body.as_bytes());
+            let a = answer(&shed(), body.as_bytes(), None);
             assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
             assert_eq!(a.body["id"], Value::Null);
             assert_eq!(a.body["error"]["code"], RATE_LIMITED);
@@ -470,14 +502,14 @@ mod tests {
             ("invalid_request", INVALID_REQUEST),
         ] {
             let r = Refusal::new(StatusCode::BAD_REQUEST, error, "Mcp-Name is missing");
-            let a = answer(&r, call("3").as_bytes());
+            let a = answer(&r, call("3").as_bytes(), None);
             assert_eq!(a.status, StatusCode::BAD_REQUEST);
             assert_eq!(a.body["id"], 3);
             assert_eq!(a.body["error"]["code"], code);
             assert_eq!(a.body["error"]["message"], "Mcp-Name is missing");
         }
         let r = Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "retry");
-        let a = answer(&r, call("3").as_bytes());
+        let a = answer(&r, call("3").as_bytes(), None);
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(a.body["error"]["code"], INTERNAL_ERROR);
     }

@@ -111,3 +111,69 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def nginx_binary() -> Optional[str]:
+    import shutil
+
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None)
+
+
+class Nginx:
+    """A real nginx running ``deploy/nginx/admitd-edge.conf`` unchanged but for the addresses of
+    admitd, the MCP server and its own port, with every path in a temp dir, until ``stop``."""
+
+    def __init__(self, admitd_url: str, upstream: str):
+        binary = nginx_binary()
+        if binary is None:
+            raise unittest.SkipTest("no nginx binary (apt-get install nginx-light; scripts/test.sh does)")
+        self.dir = tempfile.TemporaryDirectory()
+        p = self.dir.name
+        self.port = closed_port()
+        conf = read(os.path.join(ROOT, "deploy", "nginx", "admitd-edge.conf"))
+        for example, here in [
+            ("server 127.0.0.1:9470;", "server %s;" % admitd_url.removeprefix("http://")),
+            ("server 127.0.0.1:8000;", "server %s;" % upstream),
+            ("listen 8080;", "listen 127.0.0.1:%d;" % self.port),
+        ]:
+            if conf.count(example) != 1:
+                raise AssertionError(f"{example} is not in the shipped config exactly once")
+            conf = conf.replace(example, here)
+        with open(os.path.join(p, "admitd-edge.conf"), "w") as f:
+            f.write(conf)
+        temps = "".join(f"  {k}_temp_path {p}/{k};\n" for k in ["proxy", "fastcgi", "uwsgi", "scgi"])
+        with open(os.path.join(p, "nginx.conf"), "w") as f:
+            f.write(
+                f"worker_processes 1;\npid {p}/nginx.pid;\nerror_log {p}/error.log info;\n"
+                "events { worker_connections 256; }\n"
+                f"http {{\n  access_log {p}/access.log;\n  client_body_temp_path {p}/body;\n{temps}"
+                f"  include {p}/admitd-edge.conf;\n}}\n"
+            )
+        self.proc = subprocess.Popen(
+            [binary, "-p", p, "-c", f"{p}/nginx.conf", "-e", f"{p}/error.log",
+             "-g", "daemon off; master_process off;"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import time
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError("nginx did not start")
+                time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.dir.cleanup()
