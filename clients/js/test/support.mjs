@@ -97,3 +97,71 @@ export async function startNode(script, args) {
     },
   };
 }
+
+/** The nginx binary, or undefined. */
+export async function nginxBinary() {
+  for (const dir of (process.env.PATH ?? "").split(":").concat(["/usr/sbin"])) {
+    try {
+      await access(join(dir, "nginx"), constants.X_OK);
+      return join(dir, "nginx");
+    } catch {}
+  }
+  return undefined;
+}
+
+/**
+ * A real nginx running deploy/nginx/admitd-edge.conf unchanged but for the addresses of admitd, the
+ * MCP server and its own port, with every path in a temp dir, until `stop`.
+ */
+export async function startNginx(binary, admitdUrl, upstream) {
+  const { readFile } = await import("node:fs/promises");
+  const dir = await mkdtemp(join(tmpdir(), "admitd-nginx-"));
+  const port = await closedPort();
+  let conf = await readFile(join(ROOT, "deploy", "nginx", "admitd-edge.conf"), "utf8");
+  for (const [example, here] of [
+    ["server 127.0.0.1:9470;", `server ${admitdUrl.replace(/^http:\/\//, "")};`],
+    ["server 127.0.0.1:8000;", `server ${upstream};`],
+    ["listen 8080;", `listen 127.0.0.1:${port};`],
+  ]) {
+    if (conf.split(example).length !== 2) throw new Error(`${example} is not in the shipped config exactly once`);
+    conf = conf.replace(example, here);
+  }
+  await writeFile(join(dir, "admitd-edge.conf"), conf);
+  const temps = ["proxy", "fastcgi", "uwsgi", "scgi"].map((k) => `  ${k}_temp_path ${dir}/${k};\n`).join("");
+  await writeFile(
+    join(dir, "nginx.conf"),
+    `worker_processes 1;\npid ${dir}/nginx.pid;\nerror_log ${dir}/error.log info;\n` +
+      `events { worker_connections 256; }\n` +
+      `http {\n  access_log ${dir}/access.log;\n  client_body_temp_path ${dir}/body;\n${temps}` +
+      `  include ${dir}/admitd-edge.conf;\n}\n`,
+  );
+  const child = spawn(
+    binary,
+    ["-p", dir, "-c", `${dir}/nginx.conf`, "-e", `${dir}/error.log`, "-g", "daemon off; master_process off;"],
+    { stdio: "ignore" },
+  );
+  process.on("exit", () => child.kill("SIGKILL"));
+  const { connect } = await import("node:net");
+  const deadline = Date.now() + 10000;
+  for (;;) {
+    const up = await new Promise((ok) => {
+      const s = connect(port, "127.0.0.1", () => {
+        s.end();
+        ok(true);
+      });
+      s.on("error", () => ok(false));
+    });
+    if (up) break;
+    if (Date.now() > deadline || child.exitCode !== null) throw new Error("nginx did not start");
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  return {
+    url: `http://127.0.0.1:${port}/mcp`,
+    async stop() {
+      const exited = new Promise((ok) => child.once("exit", ok));
+      child.kill("SIGTERM");
+      await exited;
+      await rm(dir, { recursive: true, force: true });
+    },
+  };
+}
