@@ -98,6 +98,39 @@ fn init_logging() {
         .try_init();
 }
 
+/// The store `admitd serve` would use with this config, for `admitd check`: its kind and, for Redis,
+/// its hosts without user or password, and what admissions do while it does not answer.
+fn store_text(s: &crate::config::StoreConfig) -> String {
+    use crate::config::StoreKind;
+    match s.kind {
+        StoreKind::Memory => {
+            "memory (this process only; [store] kind = \"redis\" shares limits between replicas)"
+                .to_string()
+        }
+        StoreKind::Redis => {
+            let url = s.url.as_deref().unwrap_or("");
+            // Each seed of a list: the scheme and host:port, never user:password@.
+            let hosts: Vec<String> = url
+                .split(',')
+                .map(|u| {
+                    let u = u.trim();
+                    let (scheme, rest) = u.split_once("://").unwrap_or(("redis", u));
+                    let host = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
+                    let host = host.split('/').next().unwrap_or(host);
+                    format!("{scheme}://{host}")
+                })
+                .collect();
+            format!(
+                "redis{} at {} (timeout {:?}, on_error {})",
+                if s.cluster { " cluster" } else { "" },
+                hosts.join(", "),
+                s.timeout,
+                s.on_error.as_str()
+            )
+        }
+    }
+}
+
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -131,8 +164,15 @@ pub fn main() -> ExitCode {
                     c.upstreams.len(),
                     c.server.mode.as_str()
                 );
+                println!("{}: store {}", config.display(), store_text(&c.store));
                 for finding in crate::engine::lint::never_fitting_tools(&std::sync::Arc::new(c)) {
                     eprintln!("{}: {}", config.display(), finding.warning());
+                }
+                // The file was just read whole; a second read that fails only loses the warnings.
+                if let Ok(text) = std::fs::read_to_string(&config) {
+                    for w in crate::config::near_misses(&config.display().to_string(), &text) {
+                        eprintln!("{w}");
+                    }
                 }
                 ExitCode::SUCCESS
             }

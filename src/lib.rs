@@ -16,6 +16,7 @@ pub mod clock;
 pub mod config;
 pub mod engine;
 pub mod health;
+pub mod names;
 mod prefetch;
 pub mod server;
 pub mod state;

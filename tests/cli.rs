@@ -83,3 +83,50 @@ fn store_keys_are_checked() {
     assert_eq!(code, 1);
     assert!(err.starts_with("admitd.toml:3: store.url"), "{err}");
 }
+
+/// A tool's upstream that is not declared but looks like a typo of one that is: valid (an
+/// undeclared upstream just has no limits of its own), so a warning with its line, exit 0.
+#[test]
+fn a_name_that_looks_like_a_typo_of_a_declared_one_is_a_warning_on_its_line() {
+    let (code, out, err) = check(
+        "[upstreams.warehouse]\nrate = \"20/s\"\nburst = 20\n\
+         [tools.get_sales]\nupstream = \"warehose\"\n\
+         [tools.search]\nupstream = \"index\"\n",
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        ["admitd.toml:5: warning: tools.get_sales.upstream: upstream \"warehose\" is not declared, but [upstreams.warehouse] is: a typo? As written, the upstream \"warehose\" has no limits of its own"],
+        "{err}"
+    );
+    // A tenant's plan must exist; the error says which one was probably meant.
+    let (code, _, err) =
+        check("[plans.free.subject]\nburst = 5\n[tenants.globex]\nplan = \"fre\"\n");
+    assert_eq!(code, 1);
+    assert!(
+        err.starts_with(
+            "admitd.toml:4: tenants.globex.plan: unknown plan \"fre\" (did you mean \"free\"?"
+        ),
+        "{err}"
+    );
+}
+
+/// `check` names the store `serve` would use, and never a Redis password.
+#[test]
+fn check_names_the_store() {
+    let (code, out, _) = check("[limits.subject]\nburst = 20\n");
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("admitd.toml: store memory (this process only"),
+        "{out}"
+    );
+    let (code, out, err) = check(
+        "[store]\nkind = \"redis\"\nurl = \"rediss://admitd:s3cret@redis.internal:6380/0\"\ntimeout = \"20ms\"\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("admitd.toml: store redis at rediss://redis.internal:6380 (timeout 20ms, on_error fail_closed)"),
+        "{out}"
+    );
+    assert!(!out.contains("s3cret") && !out.contains("admitd:"), "{out}");
+}

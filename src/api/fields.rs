@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::error::ApiError;
-use super::names::check_name;
 use super::retry_after::{parse_retry_after, MAX_PENALTY};
+use crate::names::check_name;
 
 /// Checks a name field of a request.
 pub fn name_field(field: &str, value: &str) -> Result<(), ApiError> {

@@ -22,7 +22,6 @@ pub mod fields;
 pub mod gate;
 pub mod inflight;
 pub mod lease;
-pub mod names;
 pub mod overload;
 pub mod policy_cache;
 pub mod ready;
@@ -45,9 +44,9 @@ use warp::{Filter, Reply};
 
 use crate::actors::global::GlobalActor;
 use crate::actors::Shared;
+pub use crate::names::check_name;
 use error::ApiError;
 pub use fields::name_field;
-pub use names::check_name;
 pub use reload::reload;
 
 /// What the HTTP layer needs from the rest of the daemon.

@@ -8,8 +8,10 @@
 //! startup and reload, so a file that passes `check` is exactly a file the daemon accepts.
 //!
 //! The rooms: `model.rs` holds the validated types, `raw.rs` the file's shape as serde reads it,
-//! `units.rs` the rate and duration syntax, and `validate.rs` the checks that turn one into the other.
-//! Names in the file obey the same rule as names in requests ([`check_name`], owned by the API).
+//! `units.rs` the rate and duration syntax, `validate.rs` the checks that turn one into the other,
+//! and `lint.rs` the warnings of `admitd check` about names that look like typos of declared ones.
+//! Names in the file obey the same rule as names in requests ([`check_name`], in `crate::names`,
+//! below both the config and the API).
 //!
 //! A new section lives in its own file under `config/`: its `Raw*` struct (with `deny_unknown_fields`
 //! and `Spanned` values) plus one field in `raw::RawConfig`, its model type plus one field in
@@ -17,6 +19,7 @@
 //! `count`, `err`) and is called from `Validator::config`.
 
 mod edge;
+mod lint;
 pub mod listen;
 mod model;
 mod raw;
@@ -29,8 +32,9 @@ mod validate;
 use std::fmt;
 use std::path::Path;
 
-pub use crate::api::check_name;
+pub use crate::names::check_name;
 pub use edge::{ApiKey, EdgeConfig, JwtConfig, JwtKeys, Secret};
+pub use lint::near_misses;
 pub use listen::{ListenAddr, SocketOptions};
 pub use model::*;
 pub use server_auth::{IdentityKey, ServerAuth};

@@ -554,10 +554,13 @@ impl Validator<'_> {
             Some(p) => {
                 if !plans.contains_key(p.get_ref()) {
                     let known: Vec<&str> = plans.keys().map(String::as_str).collect();
-                    let known = if known.is_empty() {
-                        "no plans are defined".to_string()
-                    } else {
-                        format!("defined plans: {}", known.join(", "))
+                    let meant = super::lint::did_you_mean(p.get_ref(), known.iter().copied());
+                    let known = match meant {
+                        Some(m) => {
+                            format!("did you mean {m:?}? defined plans: {}", known.join(", "))
+                        }
+                        None if known.is_empty() => "no plans are defined".to_string(),
+                        None => format!("defined plans: {}", known.join(", ")),
                     };
                     return self.err(
                         p.span(),

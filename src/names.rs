@@ -1,8 +1,9 @@
 //! The rule every tenant, subject, tool and upstream name obeys, in a request or in the config file.
 //!
-//! Requests are where names come from a stranger, so the API owns the rule; the config validator
-//! applies the same one so that every name the file declares is one a request can address. The
-//! 128-byte bound also bounds what a name costs in a metric label or a span attribute.
+//! The API applies it to names that come from a stranger, the config validator to every name the
+//! file declares, so that each one is a name a request can address. It lives below both, so that
+//! neither imports the other for it. The 128-byte bound also bounds what a name costs in a metric
+//! label or a span attribute.
 
 /// Checks a tenant, subject, tool or upstream name: 1 to 128 bytes of UTF-8 without control characters.
 pub fn check_name(name: &str) -> Result<(), String> {
