@@ -33,6 +33,12 @@ export declare class UpstreamRateLimited extends Error {
 }
 
 export declare class IdentityError extends Error {}
+/** The CallToolResult of a call not run because the server cannot tell who is calling. */
+export declare function identityRefusal(reason: string): {
+  content: [{ type: "text"; text: string }];
+  structuredContent: { error: "no_identity"; reason: string; retryable: false };
+  isError: true;
+};
 
 export declare function authInfoIdentity(options?: { tenantKey?: string; subjectKey?: string }): Identity;
 

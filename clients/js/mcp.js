@@ -60,6 +60,23 @@ export class IdentityError extends Error {
   }
 }
 
+/**
+ * The CallToolResult of a call that was not run because the server cannot tell who is calling: it
+ * names the problem for the model and the person reading along. Waiting does not help; it says so.
+ */
+export function identityRefusal(reason) {
+  const text =
+    `This call was not run: the server cannot tell who is calling (${reason}). ` +
+    "Every call needs a validated credential naming a tenant and a subject: the MCP server must " +
+    "verify the client's bearer token and pass it on as authInfo, and the client must send its " +
+    "token. Retrying will not help until that is fixed.";
+  return {
+    content: [{ type: "text", text }],
+    structuredContent: { error: "no_identity", reason, retryable: false },
+    isError: true,
+  };
+}
+
 /** An identity that reads tenant and subject from extra.authInfo (see the top of this file). */
 export function authInfoIdentity({ tenantKey = "tenant", subjectKey = "sub" } = {}) {
   return (extra) => {
@@ -94,7 +111,15 @@ export class Admission {
   tool(name, handler, { upstream, cost } = {}) {
     return async (...args) => {
       const extra = args[args.length - 1];
-      const { tenant, subject } = await this.identity(extra);
+      let who;
+      try {
+        who = await this.identity(extra);
+      } catch (e) {
+        if (!(e instanceof IdentityError)) throw e;
+        this.admitd.logger?.warn?.(`admitd: tool ${name} not run: the request has no identity (${e.message})`);
+        return identityRefusal(e.message);
+      }
+      const { tenant, subject } = who;
       const decision = await this.admitd.admit({
         tenant,
         subject,

@@ -78,6 +78,23 @@ class IdentityError(LookupError):
     """The request carries no validated identity admitd could key on."""
 
 
+def identity_refusal(reason: str) -> Dict[str, Any]:
+    """The ``CallToolResult`` (JSON) of a call that was not run because the server cannot tell
+    who is calling: it names the problem for the model and the person reading along, instead of
+    the SDK's "Internal server error". Waiting does not help, so it says so."""
+    text = (
+        f"This call was not run: the server cannot tell who is calling ({reason}). "
+        "Every call needs a validated access token naming a tenant and a subject: the MCP server "
+        "needs an auth provider (FastMCP: auth=...; the mcp SDK: token_verifier=...), and the "
+        "client must send its token. Retrying will not help until that is fixed."
+    )
+    return {
+        "content": [{"type": "text", "text": text}],
+        "structuredContent": {"error": "no_identity", "reason": reason, "retryable": False},
+        "isError": True,
+    }
+
+
 def claims_identity(
     tenant_claim: str = "tenant", subject_claim: str = "sub"
 ) -> Callable[[Any], Tuple[str, str]]:
@@ -141,7 +158,11 @@ class Guard:
         """Admits the call, runs it only when admitted, and releases it after it ran:
         ``error`` when it raised or returned an error result, ``cancelled`` when cancelled,
         ``upstream_rate_limited`` when it raised ``UpstreamRateLimited`` or reported a 429."""
-        tenant, subject = await self.who(token)
+        try:
+            tenant, subject = await self.who(token)
+        except IdentityError as e:
+            log.warning("admitd: tool %s not run: the request has no identity (%s)", tool, e)
+            return refused(identity_refusal(str(e)))
         decision = await self.admitd.admit(
             tenant,
             subject,
