@@ -63,7 +63,12 @@ export interface AdmitdOptions {
   connectTimeoutMs?: number;
   /** Sent as `Authorization: Bearer` when admitd requires caller tokens (server.api_tokens_sha256). */
   token?: string;
-  /** Run calls without a lease when admitd is unreachable (default), or refuse them. */
+  /**
+   * While admitd cannot be reached: "fail_open" (default) runs calls without a lease, "fail_closed"
+   * refuses them with a tool result asking the model to wait unavailableRetryS seconds.
+   */
+  onUnavailable?: "fail_open" | "fail_closed";
+  /** The older spelling of onUnavailable: true is "fail_open", false "fail_closed". */
   failOpen?: boolean;
   /** The wait the refusal asks for when admitd is unreachable and failOpen is false. Default 5. */
   unavailableRetryS?: number;
@@ -77,6 +82,9 @@ export declare class AdmitdError extends Error {
 }
 
 export declare class AdmitdUnavailable extends Error {}
+
+export declare const FAIL_OPEN: "fail_open";
+export declare const FAIL_CLOSED: "fail_closed";
 
 export declare class Call {
   constructor(decision: Decision & { admitted: true });
@@ -93,6 +101,11 @@ export declare class Call {
 export declare class Admitd {
   /** `url`: "http://host:port" (default http://127.0.0.1:9470) or "unix:/path/to/admitd.sock". */
   constructor(url?: string, options?: AdmitdOptions);
+  /** What this client does while admitd cannot be reached. */
+  readonly onUnavailable: "fail_open" | "fail_closed";
+  /** admitd's outages as this client saw them: how many, the calls decided without admitd, and
+   * when the current one began (Date.now(); null while admitd answers). */
+  readonly outage: { outages: number; calls: number; since: number | null };
   /** Closes the kept-alive connections (a later request opens a new one). */
   close(): void;
   admit(args: AdmitArgs): Promise<Decision>;

@@ -17,9 +17,12 @@
 // "upstream_rate_limited" when the upstream answered 429 (its Retry-After then puts the upstream in
 // admitd's penalty box).
 //
-// If admitd cannot be reached (or answers 5xx), failOpen (the default) runs the call without a lease,
-// marked degraded; failOpen: false refuses it with a tool result that asks the model to wait
-// unavailableRetryS seconds. Requests admitd rejects as malformed (400, 413) throw AdmitdError.
+// If admitd cannot be reached (or answers 5xx), onUnavailable decides: "fail_open" (the default)
+// runs the call without a lease, marked degraded; "fail_closed" refuses it with a tool result that
+// asks the model to wait unavailableRetryS seconds. The default keeps the tools working when the
+// limiter beside them is down; choose "fail_closed" when running past the limits costs more than
+// refusing calls. Each outage is counted (admitd.outage) and logged once when it begins and once
+// when admitd answers again, never per call. (failOpen: true/false is the older spelling.) Requests admitd rejects as malformed (400, 413) throw AdmitdError.
 
 import http from "node:http";
 import { Buffer } from "node:buffer";
@@ -62,10 +65,26 @@ function retryAfterValue(v) {
   return typeof v === "string" ? v.trim() : v;
 }
 
+/** What a client does with a call while admitd cannot be reached: run it without a lease ... */
+export const FAIL_OPEN = "fail_open";
+/** ... or refuse it with a tool result that asks the model to wait unavailableRetryS seconds. */
+export const FAIL_CLOSED = "fail_closed";
+
+function unavailableMode(onUnavailable, failOpen) {
+  if (onUnavailable == null) return failOpen === false ? FAIL_CLOSED : FAIL_OPEN;
+  if (onUnavailable !== FAIL_OPEN && onUnavailable !== FAIL_CLOSED) {
+    throw new TypeError(`onUnavailable is "fail_open" or "fail_closed", not ${JSON.stringify(onUnavailable)}`);
+  }
+  if (failOpen != null && failOpen !== (onUnavailable === FAIL_OPEN)) {
+    throw new TypeError(`failOpen: ${failOpen} contradicts onUnavailable: ${JSON.stringify(onUnavailable)}`);
+  }
+  return onUnavailable;
+}
+
 export class Admitd {
   constructor(
     url = "http://127.0.0.1:9470",
-    { timeoutMs = 2000, connectTimeoutMs = 500, failOpen = true, unavailableRetryS = 5, token, logger = console } = {},
+    { timeoutMs = 2000, connectTimeoutMs = 500, onUnavailable, failOpen, unavailableRetryS = 5, token, logger = console } = {},
   ) {
     if (typeof url === "string" && url.startsWith("unix:")) {
       const path = url.slice("unix:".length);
@@ -96,7 +115,12 @@ export class Admitd {
     this.agent = new http.Agent({ keepAlive: true });
     this.timeoutMs = timeoutMs;
     this.connectTimeoutMs = connectTimeoutMs;
-    this.failOpen = failOpen;
+    this.onUnavailable = unavailableMode(onUnavailable, failOpen);
+    this.failOpen = this.onUnavailable === FAIL_OPEN;
+    /** admitd's outages as this client saw them: how many, the calls decided without admitd, and
+     * when the current one began (Date.now(); null while admitd answers). */
+    this.outage = { outages: 0, calls: 0, since: null };
+    this.callsThisOutage = 0;
     this.unavailableRetryS = Math.max(1, Math.trunc(unavailableRetryS));
     this.logger = logger;
   }
@@ -212,9 +236,13 @@ export class Admitd {
     try {
       answer = await this.#request("POST", "/v1/admit", body, headers, holdMs);
     } catch (e) {
-      if (e instanceof AdmitdUnavailable) return this.#degraded(e.message);
+      if (e instanceof AdmitdUnavailable) {
+        this.#unavailable(e.message);
+        return this.#degraded();
+      }
       throw e;
     }
+    this.#answered();
     const { status, headers: h, body: b } = answer;
     if (status === 200) {
       return { admitted: true, leaseId: b.lease_id, waitedMs: b.waited_ms ?? 0, mode: b.mode, degraded: false, body: b, headers: h };
@@ -234,12 +262,32 @@ export class Admitd {
     throw Admitd.#error(status, b);
   }
 
-  #degraded(why) {
+  // An outage is counted and logged once, when it begins and when admitd answers again, never
+  // once per call: during a burst a line per call would bury everything else.
+  #unavailable(why) {
+    this.outage.calls += 1;
+    this.callsThisOutage += 1;
+    if (this.outage.since !== null) return;
+    this.outage.since = Date.now();
+    this.outage.outages += 1;
+    const what = this.failOpen ? "running calls without a lease" : "refusing calls";
+    this.logger?.warn?.(`admitd unavailable (${this.onUnavailable}): ${what} until it answers again: ${why}`);
+  }
+
+  #answered() {
+    if (this.outage.since === null) return;
+    const secs = ((Date.now() - this.outage.since) / 1000).toFixed(1);
+    this.logger?.warn?.(
+      `admitd answers again after ${secs} s unavailable; ${this.callsThisOutage} calls were decided without it`,
+    );
+    this.outage.since = null;
+    this.callsThisOutage = 0;
+  }
+
+  #degraded() {
     if (this.failOpen) {
-      this.logger?.warn?.(`admitd unavailable, running the call without a lease: ${why}`);
       return { admitted: true, leaseId: null, waitedMs: 0, degraded: true, body: {}, headers: {} };
     }
-    this.logger?.warn?.(`admitd unavailable, refusing the call: ${why}`);
     const wait = this.unavailableRetryS;
     return {
       admitted: false,

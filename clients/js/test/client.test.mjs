@@ -250,6 +250,45 @@ describe("without the daemon", () => {
     await assert.rejects(admitd.release("00", "ok"), AdmitdUnavailable);
   });
 
+  test("the choice is named fail_open or fail_closed", async () => {
+    const url = `http://127.0.0.1:${await closedPort()}`;
+    assert.equal(new Admitd(url).onUnavailable, "fail_open");
+    assert.equal(new Admitd(url, { failOpen: false }).onUnavailable, "fail_closed");
+    const admitd = new Admitd(url, { onUnavailable: "fail_closed", unavailableRetryS: 3, logger: quiet });
+    const d = await admitd.admit({ tenant: "t", subject: "bot", tool: "search" });
+    assert.deepEqual([d.admitted, d.degraded, d.retryAfterMs], [false, true, 3000]);
+    assert.throws(() => new Admitd(url, { onUnavailable: "open" }), TypeError);
+    assert.throws(() => new Admitd(url, { onUnavailable: "fail_open", failOpen: false }), TypeError);
+  });
+
+  test("an outage is counted and logged once, not per call", { timeout: 30000, skip: haveBinary ? false : `no admitd binary at ${BIN}` }, async () => {
+    const port = await closedPort();
+    const warned = [];
+    const admitd = new Admitd(`http://127.0.0.1:${port}`, { logger: { warn: (m) => warned.push(m), info() {} } });
+    const admit = () => admitd.admit({ tenant: "t", subject: "bot", tool: "search", maxWaitMs: 0 });
+    for (let i = 0; i < 5; i++) assert.equal((await admit()).degraded, true);
+    assert.equal(warned.length, 1, warned.join("\n"));
+    assert.match(warned[0], /^admitd unavailable \(fail_open\): running calls without a lease/);
+    assert.equal(admitd.outage.outages, 1);
+    assert.equal(admitd.outage.calls, 5);
+    assert.notEqual(admitd.outage.since, null);
+    // admitd comes back on that address: one line says so, with what the outage touched.
+    const daemon = await startDaemon("", `127.0.0.1:${port}`);
+    try {
+      for (let i = 0; i < 3; i++) assert.equal((await admit()).degraded, false);
+      assert.equal(warned.length, 2, warned.join("\n"));
+      assert.match(warned[1], /answers again after .* s unavailable; 5 calls were decided without it/);
+      assert.equal(admitd.outage.since, null);
+    } finally {
+      await daemon.stop();
+    }
+    // The next outage is a second one.
+    assert.equal((await admit()).degraded, true);
+    assert.deepEqual([admitd.outage.outages, admitd.outage.calls], [2, 6]);
+    assert.equal(warned.length, 3);
+    admitd.close();
+  });
+
   test("a kept-alive connection closed by admitd is replaced, and the request sent again", { timeout: 30000 }, async () => {
     // Answers the first request on each connection; a second request on the first connection is
     // read and the connection closed without an answer, as a daemon that closed it would.

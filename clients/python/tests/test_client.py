@@ -369,6 +369,60 @@ class WithoutTheDaemon(unittest.TestCase):
                 self.assertTrue(d.admitted and d.degraded)
                 self.assertLess(time.monotonic() - started, 2.0)
 
+    def test_the_choice_is_named_fail_open_or_fail_closed(self):
+        url = f"http://127.0.0.1:{closed_port()}"
+        self.assertEqual(Admitd(url).on_unavailable, "fail_open")
+        client = Admitd(url, on_unavailable="fail_closed", unavailable_retry_s=3)
+        with self.assertLogs("admitd_client", "WARNING"):
+            d = client.admit("t", "bot", "search")
+        self.assertEqual((d.admitted, d.degraded, d.retry_after_ms), (False, True, 3000))
+        self.assertEqual(AsyncAdmitd(url, fail_open=False).on_unavailable, "fail_closed")
+        for bad in [dict(on_unavailable="open"), dict(on_unavailable="fail_open", fail_open=False)]:
+            with self.assertRaises(ValueError):
+                Admitd(url, **bad)
+
+    def test_an_outage_is_counted_and_logged_once_not_per_call(self):
+        require_binary()
+        port = closed_port()
+        for client in (Admitd(f"http://127.0.0.1:{port}"), AsyncAdmitd(f"http://127.0.0.1:{port}")):
+            # One loop for the async client's whole life: its kept-alive connections belong to it.
+            loop = asyncio.new_event_loop()
+
+            def admit():
+                if isinstance(client, AsyncAdmitd):
+                    return loop.run_until_complete(client.admit("t", "bot", "search", max_wait_ms=0))
+                return client.admit("t", "bot", "search", max_wait_ms=0)
+
+            with self.assertLogs("admitd_client", "DEBUG") as logs:
+                for _ in range(5):
+                    self.assertTrue(admit().degraded)
+            warnings = [r for r in logs.records if r.levelname == "WARNING"]
+            self.assertEqual(len(warnings), 1, logs.output)
+            self.assertIn("admitd unavailable (fail_open): running calls without a lease", warnings[0].getMessage())
+            self.assertEqual((client.outage.outages, client.outage.calls), (1, 5))
+            self.assertIsNotNone(client.outage.since)
+            # admitd comes back on that address: one line says so, with what the outage touched.
+            daemon = Daemon("", ["--listen", f"127.0.0.1:{port}"])
+            try:
+                with self.assertLogs("admitd_client", "WARNING") as logs:
+                    for _ in range(3):
+                        self.assertFalse(admit().degraded)
+                self.assertEqual(len(logs.records), 1, logs.output)
+                self.assertIn("answers again", logs.output[0])
+                self.assertIn("5 calls were decided without it", logs.output[0])
+                self.assertIsNone(client.outage.since)
+            finally:
+                daemon.stop()
+            # The next outage is a second one.
+            with self.assertLogs("admitd_client", "WARNING"):
+                self.assertTrue(admit().degraded)
+            self.assertEqual((client.outage.outages, client.outage.calls), (2, 6))
+            if isinstance(client, AsyncAdmitd):
+                loop.run_until_complete(client.aclose())
+            else:
+                client.close()
+            loop.close()
+
     def test_only_http_and_unix_urls(self):
         for bad in ("https://127.0.0.1:9470", "127.0.0.1:9470", "http://", "unix:", "unix://host/x"):
             with self.assertRaises(ValueError):

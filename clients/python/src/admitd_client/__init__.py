@@ -20,10 +20,15 @@ Leaving the block releases the lease: outcome ``ok``, ``error`` when the block r
 ``cancelled`` when it was cancelled or interrupted, ``upstream_rate_limited`` when the upstream
 answered 429 (its ``Retry-After`` then puts the upstream in admitd's penalty box).
 
-If admitd cannot be reached (or answers 5xx), ``fail_open=True`` (the default) lets the call run
-without a lease, marked ``degraded``; ``fail_open=False`` refuses it with a tool result that asks
-the model to wait ``unavailable_retry_s`` seconds. Requests admitd itself rejects as malformed
-(400, 413) raise ``AdmitdError``: they are bugs in the caller, not rate limits.
+If admitd cannot be reached (or answers 5xx), ``on_unavailable`` decides: ``"fail_open"`` (the
+default) lets the call run without a lease, marked ``degraded``; ``"fail_closed"`` refuses it with
+a tool result that asks the model to wait ``unavailable_retry_s`` seconds. The default keeps the
+tools working when the limiter beside them is down (an outage of admitd is not an outage of the
+server); choose ``"fail_closed"`` when running past the limits costs more than refusing calls (a
+paid upstream, a fragile one). Either way each outage is counted (``client.outage``) and logged
+once, when it begins and when admitd answers again, never once per call. (``fail_open=True/False``
+is the older spelling.) Requests admitd itself rejects as malformed (400, 413) raise
+``AdmitdError``: they are bugs in the caller, not rate limits.
 
 MCP SDK adapters, which do all of the above for every tool: ``admitd_client.fastmcp``
 (``pip install "admitd-client[fastmcp]"``) and ``admitd_client.mcp`` (``[mcp]``).
@@ -34,15 +39,20 @@ from ._guard import UpstreamRateLimited, claims_identity, report_upstream
 from ._sync import Admitd
 from ._wire import (
     DEFAULT_URL,
+    FAIL_CLOSED,
+    FAIL_OPEN,
     OUTCOMES,
     AdmitdError,
     AdmitdUnavailable,
     Call,
     Decision,
+    Outage,
 )
 
 __all__ = [
     "DEFAULT_URL",
+    "FAIL_CLOSED",
+    "FAIL_OPEN",
     "OUTCOMES",
     "Admitd",
     "AdmitdError",
@@ -50,6 +60,7 @@ __all__ = [
     "AsyncAdmitd",
     "Call",
     "Decision",
+    "Outage",
     "UpstreamRateLimited",
     "claims_identity",
     "report_upstream",

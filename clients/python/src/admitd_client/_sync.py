@@ -68,7 +68,7 @@ class Admitd:
 
     ``url`` is ``http://host:port`` or ``unix:/path/to/admitd.sock``; ``token`` is sent as
     ``Authorization: Bearer`` when admitd requires caller tokens. ``connect_timeout`` bounds
-    reaching admitd (short: it runs beside the server, and ``fail_open`` should decide quickly);
+    reaching admitd (short: it runs beside the server, and ``on_unavailable`` should decide quickly);
     ``timeout`` bounds each answer, on top of the wait admitd may hold an admission for."""
 
     def __init__(
@@ -77,14 +77,18 @@ class Admitd:
         *,
         timeout: float = 2.0,
         connect_timeout: float = 0.5,
-        fail_open: bool = True,
+        on_unavailable: Optional[str] = None,
+        fail_open: Optional[bool] = None,
         unavailable_retry_s: int = 5,
         token: Optional[str] = None,
     ):
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self.fail_open = fail_open
+        self.on_unavailable = _wire.unavailable_mode(on_unavailable, fail_open)
+        self.fail_open = self.on_unavailable == _wire.FAIL_OPEN
+        #: admitd's outages as this client saw them (``outages``, ``calls``, ``since``).
+        self.outage = _wire.Outage()
         self.unavailable_retry_s = max(1, int(unavailable_retry_s))
         self._auth = _wire.auth_header(token)
         self._local = threading.local()
@@ -199,7 +203,9 @@ class Admitd:
         try:
             status, hdrs, answer = self._request("POST", "/v1/admit", body, headers, hold_s)
         except AdmitdUnavailable as e:
+            self.outage.failed(self.on_unavailable, str(e))
             return _wire.degraded(self.fail_open, self.unavailable_retry_s, str(e))
+        self.outage.answered()
         return _wire.decision(status, hdrs, answer)
 
     def release(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -170,12 +171,73 @@ def decision(status: int, headers: Dict[str, str], answer: Any) -> Decision:
     raise error(status, answer)
 
 
+#: What a client does with a call while admitd cannot be reached: run it without a lease.
+FAIL_OPEN = "fail_open"
+#: ... or refuse it with a tool result that asks the model to wait ``unavailable_retry_s``.
+FAIL_CLOSED = "fail_closed"
+
+
+def unavailable_mode(on_unavailable: Optional[str], fail_open: Optional[bool]) -> str:
+    """The client's choice: ``on_unavailable``, or the older ``fail_open`` flag; ``fail_open`` by
+    default (see the package documentation for why)."""
+    if on_unavailable is None:
+        return FAIL_CLOSED if fail_open is False else FAIL_OPEN
+    if on_unavailable not in (FAIL_OPEN, FAIL_CLOSED):
+        raise ValueError(f"on_unavailable is {FAIL_OPEN!r} or {FAIL_CLOSED!r}, not {on_unavailable!r}")
+    if fail_open is not None and fail_open != (on_unavailable == FAIL_OPEN):
+        raise ValueError(f"fail_open={fail_open} contradicts on_unavailable={on_unavailable!r}")
+    return on_unavailable
+
+
+class Outage:
+    """admitd being unreachable, seen from one client: counted and logged once per outage, not
+    once per call (an outage during a burst would otherwise write a line for every call).
+
+    ``outages`` counts the outages since the client was made, ``calls`` the admissions decided
+    here, without admitd, over all of them, and ``since`` is when the current outage began
+    (``time.monotonic()``), None while admitd answers. The first failed admission of an outage
+    logs a warning naming the choice in force; the first answer after it logs how long it lasted
+    and how many calls it touched."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.outages = 0
+        self.calls = 0
+        self.since: Optional[float] = None
+        self._calls_now = 0
+
+    def failed(self, mode: str, why: str) -> None:
+        with self._lock:
+            self.calls += 1
+            self._calls_now += 1
+            first = self.since is None
+            if first:
+                self.since = time.monotonic()
+                self.outages += 1
+        if first:
+            what = "running calls without a lease" if mode == FAIL_OPEN else "refusing calls"
+            log.warning("admitd unavailable (%s): %s until it answers again: %s", mode, what, why)
+        else:
+            log.debug("admitd still unavailable: %s", why)
+
+    def answered(self) -> None:
+        if self.since is None:
+            return
+        with self._lock:
+            since, calls = self.since, self._calls_now
+            self.since, self._calls_now = None, 0
+        if since is not None:
+            log.warning(
+                "admitd answers again after %.1f s unavailable; %d calls were decided without it",
+                time.monotonic() - since,
+                calls,
+            )
+
+
 def degraded(fail_open: bool, unavailable_retry_s: int, why: str) -> Decision:
-    """The decision made here when admitd cannot answer."""
+    """The decision made here when admitd cannot answer (logged by ``Outage``, once per outage)."""
     if fail_open:
-        log.warning("admitd unavailable, running the call without a lease: %s", why)
         return Decision(admitted=True, degraded=True)
-    log.warning("admitd unavailable, refusing the call: %s", why)
     return Decision(
         admitted=False,
         retry_after_ms=unavailable_retry_s * 1000,
