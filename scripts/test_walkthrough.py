@@ -112,16 +112,24 @@ class Layout(unittest.TestCase):
 
 
 class Commands(unittest.TestCase):
-    def test_a_curl_command_shows_the_request_sent_against_the_default_port(self):
+    def test_a_curl_command_shows_the_request_sent_to_the_address_in_a_variable(self):
         cmd = w.curl_command("/v1/admit", '{"tenant":"acme"}', [("traceparent", "00-ab-01")], "-si",
                              tail="| head -2")
-        self.assertEqual(cmd, "curl -si localhost:9470/v1/admit -H 'content-type: application/json' \\\n"
+        self.assertEqual(cmd, "curl -si $ADMITD/v1/admit -H 'content-type: application/json' \\\n"
                               "  -H 'traceparent: 00-ab-01' \\\n"
                               "  -d '{\"tenant\":\"acme\"}' \\\n"
                               "  | head -2")
-        self.assertEqual(w.curl_command("/v1/tenants/acme"), "curl -s localhost:9470/v1/tenants/acme")
+        self.assertEqual(w.curl_command("/v1/tenants/acme"), "curl -s $ADMITD/v1/tenants/acme")
         with self.assertRaises(ValueError):
             w.curl_command("/v1/admit", '{"tool":"it\'s"}')
+
+    def test_a_captured_lease_is_pasted_into_the_release(self):
+        import subprocess
+
+        cmd = w.captured("printf '%s' '{\"admitted\":true,\"lease_id\":\"00ab\",\"waited_ms\":0}'")
+        body = w.with_lease({"lease_id": "x", "outcome": "ok"})
+        out = subprocess.run(["sh", "-c", cmd + "\necho " + body], capture_output=True, text=True, check=True)
+        self.assertEqual(out.stdout.splitlines()[-1], '{"lease_id":"00ab","outcome":"ok"}')
 
     def test_splice_replaces_only_the_text_between_the_markers(self):
         readme = f"# t\n\n{w.BEGIN}\nold\n{w.END}\n\n## next\n"

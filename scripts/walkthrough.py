@@ -42,6 +42,8 @@ README = os.path.join(ROOT, "README.md")
 BEGIN = "<!-- walkthrough:begin -->"
 END = "<!-- walkthrough:end -->"
 SHOWN_PORT = 9470
+# The shell variable every command of the walk-through sends to, set once at the start.
+ADDR = "$ADMITD"
 WIDTH = 120
 ATTEMPTS = 3
 # The longest a timed stretch may take for the numbers shown to hold. With a refill step T of 1333 ms
@@ -338,8 +340,8 @@ def shell_quote_single(text: str) -> str:
 
 def curl_command(path: str, body: Optional[str] = None, headers: Sequence[Tuple[str, str]] = (),
                  flags: str = "-s", quoted_body: Optional[str] = None, tail: str = "") -> str:
-    """The curl command that sends the request `Walk.send` sends, against the default port."""
-    first = f"curl {flags} localhost:{SHOWN_PORT}{path}"
+    """The curl command that sends the request `Walk.send` sends, to the address in `$ADMITD`."""
+    first = f"curl {flags} {ADDR}{path}"
     lines = [first]
     if body is not None or quoted_body is not None:
         lines[0] += " -H 'content-type: application/json'"
@@ -355,6 +357,20 @@ def curl_command(path: str, body: Optional[str] = None, headers: Sequence[Tuple[
 
 def body_of(fields: Dict[str, Any]) -> str:
     return json.dumps(fields, separators=(",", ":"))
+
+
+def with_lease(fields: Dict[str, Any]) -> str:
+    """A body for `-d` in double quotes whose `lease_id` is the shell's `$lease`, as captured by
+    `captured`, so that the command can be pasted as it stands."""
+    body = body_of(dict(fields, lease_id="$lease"))
+    return '"' + body.replace('"', '\\"') + '"'
+
+
+def captured(command: str) -> str:
+    """Runs `command`, shows its answer, and keeps the answer's `lease_id` in `$lease`."""
+    return (f"out=$({command})\n"
+            'echo "$out"\n'
+            "lease=$(echo \"$out\" | grep -o '\"lease_id\":\"[^\"]*\"' | cut -d'\"' -f4)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,10 +453,12 @@ at 600/min and at most 32 calls in flight, a subject at most 8 calls in flight, 
 of 5000/s sits behind both. There are no daily quotas and no per-tool buckets.
 """)
         self.code(CONFIG, "toml")
-        self.text("Build the binary, check the file and start the daemon. If port 9470 is taken, add\n"
-                  "`--listen 127.0.0.1:PORT` and change the URLs to match.")
-        self.code(f"cargo build --release\n{self.bin} check --config admitd.toml\n# {check.stdout.strip()}\n"
-                  f"{self.bin} serve --config admitd.toml &", "sh")
+        self.text("Build the binary, check the file and start the daemon. Every command below sends to the\n"
+                  "address in `ADMITD`: if port 9470 is taken, start admitd with `--listen 127.0.0.1:PORT`\n"
+                  "and set `ADMITD=127.0.0.1:PORT` instead.")
+        checked = "\n".join(f"# {line}" for line in check.stdout.strip().splitlines())
+        self.code(f"cargo build --release\n{self.bin} check --config admitd.toml\n{checked}\n"
+                  f"{self.bin} serve --config admitd.toml &\nADMITD=localhost:{SHOWN_PORT}", "sh")
 
     def burst(self) -> None:
         # Everything from the first admission to the refusal after the loop is timed: the numbers
@@ -469,8 +487,8 @@ of 5000/s sits behind both. There are no daily quotas and no per-tool buckets.
         self.expect(again, 404, "the second release")
         self.expect(refused, 429, "the refusal after the loop")
 
-        self.text("### Admit a call")
-        self.code(curl_command("/v1/admit", body_of(fields), trace, "-si"), "sh")
+        self.text("### Admit a call\n\nThe answer is shown, and its `lease_id` kept in `$lease` for the release:")
+        self.code(captured(curl_command("/v1/admit", body_of(fields), trace, "-si")), "sh")
         self.code(self.http(first, Masks()))
         self.text(
             """
@@ -490,13 +508,13 @@ that is not JSON, a missing name, one over 64 KiB) has no layer to describe. The
 
 ### Release it
 
-After the tool ran, release the lease with the `lease_id` of the admission:
+After the tool ran, release the lease with the `lease_id` of the admission (`$lease`):
 """)
-        shown = body_of(dict(release, lease_id="<lease id>"))
-        self.code(curl_command("/v1/release", shown), "sh")
+        shown = with_lease(release)
+        self.code(curl_command("/v1/release", quoted_body=shown), "sh")
         self.code(show_json(released.body, Masks()))
         self.text("Releasing the same lease twice gets a 404:")
-        self.code(curl_command("/v1/release", shown, tail="-w ' (HTTP %{http_code})\\n'"), "sh")
+        self.code(curl_command("/v1/release", quoted_body=shown, tail="-w ' (HTTP %{http_code})\\n'"), "sh")
         self.code(self.with_status(again, Masks()))
 
         self.text(
@@ -508,10 +526,10 @@ release, the subject's concurrency cap of 8 would refuse the ninth call first (s
 """)
         self.code(
             "for i in $(seq 1 5); do\n"
-            "  out=$(curl -s localhost:9470/v1/admit -H 'content-type: application/json' \\\n"
+            f"  out=$(curl -s {ADDR}/v1/admit -H 'content-type: application/json' \\\n"
             f"        -d '{body_of(loop)}')\n"
             "  lease=$(echo \"$out\" | grep -o '\"lease_id\":\"[^\"]*\"' | cut -d'\"' -f4)\n"
-            "  [ -n \"$lease\" ] && curl -s -o /dev/null localhost:9470/v1/release \\\n"
+            f"  [ -n \"$lease\" ] && curl -s -o /dev/null {ADDR}/v1/release \\\n"
             "        -H 'content-type: application/json' -d \"{\\\"lease_id\\\":\\\"$lease\\\",\\\"outcome\\\":\\\"ok\\\"}\"\n"
             f"  echo \"$i\" $(echo \"$out\" | grep -oE '{pattern}' | head -2)\n"
             "done",
@@ -592,14 +610,14 @@ the policy:
         a = self.send("/v1/admit", sales)
         self.expect(a, 200, "the get_sales admission")
         lease = a.json()["lease_id"]
-        self.code(curl_command("/v1/admit", body_of(sales), flags="-si"), "sh")
+        self.code(captured(curl_command("/v1/admit", body_of(sales), flags="-si")), "sh")
         self.code(self.http(a, Masks()))
         self.text("The warehouse answered 429 with `Retry-After: 30`. The MCP server reports that on release:")
         release = {"lease_id": lease, "outcome": "upstream_rate_limited", "upstream_status": 429,
                    "retry_after": "30", "duration_ms": 95}
         r = self.send("/v1/release", release)
         self.expect(r, 200, "the release with a 429")
-        self.code(curl_command("/v1/release", body_of(dict(release, lease_id="<lease id>"))), "sh")
+        self.code(curl_command("/v1/release", quoted_body=with_lease(release)), "sh")
         self.code(show_json(r.body, Masks()))
         self.text(
             """
@@ -671,7 +689,7 @@ calls in flight, the penalty and the warehouse budget's effective rate:
 """)
         a = self.send("/v1/tenants/acme")
         self.expect(a, 200, "the tenant snapshot")
-        self.code("curl -s localhost:9470/v1/tenants/acme", "sh")
+        self.code(curl_command("/v1/tenants/acme"), "sh")
         self.code(show_json(a.body, Masks(keys={"retry_after_ms": about(30000, 2000)})), "json")
         self.text(
             """
@@ -681,7 +699,7 @@ state answers 404:
 """)
         a = self.send("/v1/tenants/initech")
         self.expect(a, 404, "the unknown tenant")
-        self.code("curl -s localhost:9470/v1/tenants/initech -w ' (HTTP %{http_code})\\n'", "sh")
+        self.code(curl_command("/v1/tenants/initech", tail="-w ' (HTTP %{http_code})\\n'").replace(" \\\n  ", " "), "sh")
         self.code(self.with_status(a, Masks()))
 
         self.text(
@@ -693,7 +711,7 @@ and scope (all metrics: [docs/metrics.md](docs/metrics.md)):
 """)
         grep = r'^admitd_admissions_total\{tenant="acme"'
         lines = self.settled_metrics(grep, self.admits.get("acme", 0))
-        self.code(f"curl -s localhost:9470/metrics | grep -E '{grep}' | sort", "sh")
+        self.code(f"curl -s {ADDR}/metrics | grep -E '{grep}' | sort", "sh")
         self.code("\n".join(lines))
         self.text("When you are done, stop the daemon with `kill %1`.")
 
