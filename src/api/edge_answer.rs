@@ -240,7 +240,13 @@ const RESULT_TYPE_SINCE: &str = "2026-07-28";
 /// what has no id to answer under gets a JSON-RPC error with `"id": null` and the refusal's status.
 /// `version` is the request's `MCP-Protocol-Version`: the result is written in that revision.
 pub fn answer(refusal: &Refusal, body: &[u8], version: Option<&str>) -> Answer {
-    let status = StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    // Only the statuses the check refuses with; anything else in a header is not the check's.
+    let status = match refusal.status {
+        400 | 401 | 404 | 429 | 503 => {
+            StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE)
+        }
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
     let message = classify(body);
     // A credential is checked before a body is read, on a server as here.
     if status == StatusCode::UNAUTHORIZED {
@@ -512,6 +518,17 @@ mod tests {
         let a = answer(&r, call("3").as_bytes(), None);
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(a.body["error"]["code"], INTERNAL_ERROR);
+        // A status the check never refuses with is not passed on.
+        for status in [200, 302, 418, 999] {
+            let r = Refusal {
+                status,
+                ..Refusal::new(StatusCode::OK, "x", "y")
+            };
+            assert_eq!(
+                answer(&r, call("3").as_bytes(), None).status,
+                StatusCode::SERVICE_UNAVAILABLE
+            );
+        }
     }
 
     #[test]
