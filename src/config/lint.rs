@@ -112,6 +112,9 @@ pub fn near_misses(file: &str, text: &str) -> Vec<ConfigError> {
         .flatten()
         .map(|(n, _)| n.as_str())
         .collect();
+    // One entry per kind of name: what it is called, its section, the declared names, the uses.
+    // Spend units join here once `[spend.*]` exists: the keys of `raw.spend` as declared, the keys
+    // of every `[tools.NAME.spend]` as uses (key `tools.NAME.spend`, the span of each value).
     let checks = [("upstream", "upstreams", upstreams, upstream_uses(&raw))];
     let mut out: Vec<(usize, ConfigError)> = Vec::new();
     for (what, section, declared, uses) in checks {
