@@ -52,3 +52,11 @@ export declare class Admission {
     options?: { upstream?: string; cost?: number },
   ): (...args: A) => Promise<R | ToolResult>;
 }
+
+/**
+ * A `fetch` that adds MCP 2026-07-28's routing headers (`Mcp-Method`, `Mcp-Name`, and on `initialize`
+ * `MCP-Protocol-Version`) from each request's JSON-RPC body, for the SDK 1.x behind admitd's edge check.
+ */
+export declare function withMcpHeaders(
+  inner?: (url: string | URL, init?: RequestInit) => Promise<Response>,
+): (url: string | URL, init?: RequestInit) => Promise<Response>;

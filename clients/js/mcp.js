@@ -77,6 +77,32 @@ export function identityRefusal(reason) {
   };
 }
 
+/**
+ * A `fetch` for the SDK's client transport (`new StreamableHTTPClientTransport(url, { fetch:
+ * withMcpHeaders() })`) that adds the routing headers of MCP 2026-07-28 to each request, from its
+ * JSON-RPC body: `Mcp-Method`, `Mcp-Name` (a tool's or prompt's name), and on `initialize` the
+ * `MCP-Protocol-Version` the client asks for. The SDK 1.x speaks MCP up to 2025-11-25 and sends none
+ * of them; admitd's edge check at a gateway limits on them.
+ */
+export function withMcpHeaders(inner = globalThis.fetch) {
+  return async (url, init = {}) => {
+    if (typeof init.body !== "string") return inner(url, init);
+    let msg;
+    try {
+      msg = JSON.parse(init.body);
+    } catch {
+      return inner(url, init);
+    }
+    const headers = new Headers(init.headers);
+    if (typeof msg?.method === "string") headers.set("mcp-method", msg.method);
+    if (typeof msg?.params?.name === "string") headers.set("mcp-name", msg.params.name);
+    if (msg?.method === "initialize" && !headers.has("mcp-protocol-version") && typeof msg.params?.protocolVersion === "string") {
+      headers.set("mcp-protocol-version", msg.params.protocolVersion);
+    }
+    return inner(url, { ...init, headers });
+  };
+}
+
 /** An identity that reads tenant and subject from extra.authInfo (see the top of this file). */
 export function authInfoIdentity({ tenantKey = "tenant", subjectKey = "sub" } = {}) {
   return (extra) => {

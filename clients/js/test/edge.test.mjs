@@ -5,8 +5,8 @@
 // wait; a call without a credential a JSON-RPC 401 that names the problem.
 //
 // The SDK 1.x speaks MCP up to 2025-11-25 and sends neither Mcp-Method nor Mcp-Name, which the edge
-// check limits on (MCP 2026-07-28 clients send them): the client's fetch adds them from the body,
-// and the check accepts 2025-11-25 (min_protocol_version).
+// check limits on (MCP 2026-07-28 clients send them): withMcpHeaders adds them from the body, and
+// the check accepts 2025-11-25 (min_protocol_version).
 
 import http from "node:http";
 import { createHash } from "node:crypto";
@@ -18,6 +18,7 @@ import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/
 import { McpServer } from "@modelcontextprotocol/sdk/server/mcp.js";
 import { StreamableHTTPServerTransport } from "@modelcontextprotocol/sdk/server/streamableHttp.js";
 import { z } from "zod";
+import { withMcpHeaders } from "admitd-client/mcp";
 
 import { BIN, binaryExists, nginxBinary, startDaemon, startNginx } from "./support.mjs";
 
@@ -36,24 +37,6 @@ sha256 = "${createHash("sha256").update(KEY).digest("hex")}"
 tenant = "acme"
 subject = "acme-gateway"
 `;
-
-/** The MCP 2026-07-28 routing headers, mirrored from the JSON-RPC body, for the SDK 1.x. */
-function withMcpHeaders(inner = fetch) {
-  return async (url, init = {}) => {
-    const headers = new Headers(init.headers);
-    if (typeof init.body === "string") {
-      try {
-        const msg = JSON.parse(init.body);
-        if (typeof msg.method === "string") headers.set("mcp-method", msg.method);
-        if (typeof msg.params?.name === "string") headers.set("mcp-name", msg.params.name);
-        if (!headers.has("mcp-protocol-version") && msg.method === "initialize") {
-          headers.set("mcp-protocol-version", msg.params.protocolVersion);
-        }
-      } catch {}
-    }
-    return inner(url, { ...init, headers });
-  };
-}
 
 /** A stateless MCP server with one tool, counting its runs. */
 async function startServer() {
