@@ -26,6 +26,7 @@ mod raw;
 pub mod server_auth;
 mod state;
 pub mod store;
+mod tasks;
 pub mod units;
 mod validate;
 
@@ -40,6 +41,7 @@ pub use model::*;
 pub use server_auth::{IdentityKey, ServerAuth};
 pub use state::{OverloadConfig, StateConfig};
 pub use store::{OnError, StoreConfig, StoreKind};
+pub use tasks::TasksConfig;
 pub use units::{parse_duration, parse_rate, Rate};
 pub use validate::MAX_REFILL_YEARS;
 

@@ -327,6 +327,8 @@ pub struct Config {
     pub state: super::StateConfig,
     pub overload: super::OverloadConfig,
     pub store: super::store::StoreConfig,
+    /// `[tasks]`: long-running calls answered as MCP tasks.
+    pub tasks: super::TasksConfig,
 }
 
 /// `[tenants.NAME]`.
@@ -406,6 +408,7 @@ impl Default for Config {
             state: Default::default(),
             overload: Default::default(),
             store: super::store::StoreConfig::default(),
+            tasks: Default::default(),
         }
     }
 }

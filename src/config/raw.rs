@@ -97,6 +97,7 @@ pub(super) struct RawConfig {
     pub(super) state: Option<super::state::RawState>,
     pub(super) overload: Option<super::state::RawOverload>,
     pub(super) store: Option<super::store::RawStore>,
+    pub(super) tasks: Option<super::tasks::RawTasks>,
 }
 
 #[derive(Deserialize, Default)]

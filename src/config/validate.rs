@@ -433,6 +433,9 @@ impl Validator<'_> {
         if let Some(s) = raw.store {
             first.note(self.store(s, &mut cfg.store));
         }
+        if let Some(t) = raw.tasks {
+            first.note(self.tasks(t, &mut cfg.tasks));
+        }
 
         first.or(cfg)
     }
