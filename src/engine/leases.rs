@@ -98,6 +98,14 @@ impl<T> Leases<T> {
         self.slot(id).and_then(|s| s.value.as_ref())
     }
 
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut T> {
+        let index = (id & u64::from(u32::MAX)) as usize;
+        self.slots
+            .get_mut(index)
+            .filter(|s| s.id == id)
+            .and_then(|s| s.value.as_mut())
+    }
+
     pub fn remove(&mut self, id: u64) -> Option<T> {
         let index = (id & u64::from(u32::MAX)) as usize;
         let slot = self.slots.get_mut(index).filter(|s| s.id == id)?;

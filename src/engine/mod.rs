@@ -9,6 +9,7 @@ pub mod durable;
 pub mod labels;
 pub mod leases;
 pub mod lint;
+pub mod poll;
 pub mod refusal;
 pub mod rng;
 pub mod shared;
@@ -18,8 +19,8 @@ pub mod types;
 
 pub use shared::SharedBudgets;
 pub use tenant::{
-    AdmitRequest, AdmitResult, ReleaseInfo, Released, RemoteAdaptive, RemoteAnswer, RemoteCall,
-    RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope, RemoteSlots,
+    AdmitRequest, AdmitResult, PollAnswer, ReleaseInfo, Released, RemoteAdaptive, RemoteAnswer,
+    RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope, RemoteSlots,
     RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges, TenantSnapshot,
     UnknownLease, UpstreamReport,
 };

@@ -39,6 +39,7 @@ mod remote;
 mod snapshot;
 mod store;
 mod subjects;
+mod tasks;
 mod upstream;
 
 use calls::*;
@@ -50,6 +51,8 @@ pub use remote::*;
 pub use snapshot::*;
 use store::*;
 use subjects::*;
+pub use tasks::PollAnswer;
+use tasks::Tasks;
 use upstream::*;
 
 use std::collections::VecDeque;
@@ -173,6 +176,8 @@ pub struct TenantEngine {
     last_active: Nanos,
     /// The call being decided is [`AdmitRequest::returning`] (false outside [`TenantEngine::admit`]).
     returning: bool,
+    /// Renewed leases and MCP tasks (see [`tasks`]).
+    tasks: Tasks,
 }
 
 impl TenantEngine {
@@ -202,6 +207,7 @@ impl TenantEngine {
             slot_promises: Vec::new(),
             last_active: 0,
             returning: false,
+            tasks: Tasks::default(),
         }
     }
 
