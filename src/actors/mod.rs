@@ -12,6 +12,7 @@
 
 pub mod global;
 mod remote;
+mod tasks;
 pub mod tenant;
 
 use std::collections::hash_map::DefaultHasher;
@@ -27,6 +28,7 @@ use compact_str::CompactString;
 use parking_lot::RwLock;
 
 pub use global::GlobalActor;
+pub use tasks::{PollTask, Renew, StartTask};
 pub use tenant::{
     Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, ExportDurable,
     Feedback, ImportDurable, Layers, Release, ReportCalls, Snapshot, TenantActor, Tick, TICK,

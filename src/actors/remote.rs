@@ -340,3 +340,31 @@ impl TenantActor {
         }
     }
 }
+
+impl TenantActor {
+    /// [`super::StartTask`] for a lease kept in the shared store.
+    pub(super) fn start_task_remote(
+        &mut self,
+        _lease: u64,
+    ) -> ResponseActFuture<Self, Result<u64, crate::engine::UnknownLease>> {
+        Box::pin(actix::fut::ready(Err(crate::engine::UnknownLease)))
+    }
+
+    /// [`super::PollTask`] for a task kept in the shared store.
+    pub(super) fn poll_task_remote(
+        &mut self,
+        _lease: u64,
+    ) -> ResponseActFuture<Self, Result<crate::engine::PollAnswer, crate::engine::UnknownLease>>
+    {
+        Box::pin(actix::fut::ready(Err(crate::engine::UnknownLease)))
+    }
+
+    /// [`super::Renew`] for a lease kept in the shared store.
+    pub(super) fn renew_remote(
+        &mut self,
+        _lease: u64,
+        _ttl_ns: Option<u64>,
+    ) -> ResponseActFuture<Self, Result<u64, crate::engine::UnknownLease>> {
+        Box::pin(actix::fut::ready(Err(crate::engine::UnknownLease)))
+    }
+}

@@ -44,6 +44,10 @@ struct AdmitBody<'a> {
     max_wait_ms: Option<f64>,
     #[serde(default)]
     call_id: Option<String>,
+    /// The call runs as an MCP task: its lease lives `[tasks] lease_ttl` and the answer carries
+    /// `poll_interval_ms`.
+    #[serde(default)]
+    task: bool,
 }
 
 /// Returns what a held call took if its request is dropped before the hold ends.
@@ -105,6 +109,7 @@ pub async fn admit(
         returning: false,
     };
     let tenant = &*b.tenant;
+    let task = b.task;
     let call_id = b.call_id.take();
     let (call_id, shadow) = match the_rest(shared, &b, call_id, &mut req) {
         Ok(rest) => rest,
@@ -167,8 +172,15 @@ pub async fn admit(
         }
     };
     drop(held);
+    // A task's lease is made long-lived once the call holds it (after any hold).
+    let poll_interval_ms = match &decision.verdict {
+        Verdict::Admitted(a) if task => {
+            Some(Box::pin(super::tasks::start(shared, tenant, a.lease)).await?)
+        }
+        _ => None,
+    };
 
-    let (response, event) = answer(
+    let (response, event) = answer_task(
         tenant_name,
         &decision,
         call_id,
@@ -176,6 +188,7 @@ pub async fn admit(
         decision_ns,
         start_unix_ns,
         traced,
+        poll_interval_ms,
     );
     shared.telemetry.decision(event);
     Ok(response)
@@ -420,6 +433,9 @@ struct AdmittedBody<'a> {
     /// Shadow mode: how long enforce mode would have held this call (shadow mode admits at once).
     #[serde(skip_serializing_if = "Option::is_none")]
     would_wait_ms: Option<u64>,
+    /// An MCP task's first poll interval.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    poll_interval_ms: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -446,7 +462,7 @@ struct ToolResult<'a> {
 }
 
 #[derive(Serialize)]
-struct ShedBody<'a> {
+pub(super) struct ShedBody<'a> {
     admitted: bool,
     scope: &'a str,
     reason: &'a str,
@@ -460,7 +476,7 @@ pub(super) fn tool_result_json(s: &Shed) -> serde_json::Value {
     serde_json::to_value(shed_body(s).tool_result).unwrap_or_default()
 }
 
-fn shed_body(s: &Shed) -> ShedBody<'_> {
+pub(super) fn shed_body(s: &Shed) -> ShedBody<'_> {
     ShedBody {
         admitted: false,
         scope: s.scope.as_str(),
@@ -585,6 +601,10 @@ fn write_admitted(b: &AdmittedBody) -> Vec<u8> {
         out.extend_from_slice(b",\"would_wait_ms\":");
         out.extend_from_slice(n.format(w).as_bytes());
     }
+    if let Some(p) = b.poll_interval_ms {
+        out.extend_from_slice(b",\"poll_interval_ms\":");
+        out.extend_from_slice(n.format(p).as_bytes());
+    }
     out.push(b'}');
     out
 }
@@ -597,6 +617,30 @@ pub(super) fn answer(
     decision_ns: u64,
     start_unix_ns: u128,
     traced: bool,
+) -> (Response, DecisionEvent) {
+    answer_task(
+        tenant,
+        d,
+        call_id,
+        traceparent,
+        decision_ns,
+        start_unix_ns,
+        traced,
+        None,
+    )
+}
+
+/// [`answer`], with a task's first poll interval in the admitted body.
+#[allow(clippy::too_many_arguments)]
+fn answer_task(
+    tenant: Arc<str>,
+    d: &Decision,
+    call_id: Option<String>,
+    traceparent: Option<String>,
+    decision_ns: u64,
+    start_unix_ns: u128,
+    traced: bool,
+    poll_interval_ms: Option<u64>,
 ) -> (Response, DecisionEvent) {
     let tightest = d.tightest();
     // For spans only (without them the header is not even looked up; see `body::Head::read`).
@@ -654,6 +698,7 @@ pub(super) fn answer(
                 }),
                 would_wait_ms: (a.mode == Mode::Shadow && a.hold_ns > 0)
                     .then(|| ceil_ms(a.hold_ns)),
+                poll_interval_ms,
             };
             let r = super::json_response(StatusCode::OK, write_admitted(&body));
             if let Some(span) = &mut span {
@@ -789,6 +834,7 @@ pub(super) mod tests {
                 reset_ms: Some(500),
                 would_shed: None,
                 would_wait_ms: None,
+                poll_interval_ms: None,
             },
             AdmittedBody {
                 admitted: true,
@@ -803,6 +849,7 @@ pub(super) mod tests {
                 reset_ms: None,
                 would_shed: Some(shed),
                 would_wait_ms: Some(250),
+                poll_interval_ms: Some(5_500),
             },
             AdmittedBody {
                 admitted: true,
@@ -817,6 +864,7 @@ pub(super) mod tests {
                 reset_ms: Some(u64::MAX),
                 would_shed: None,
                 would_wait_ms: None,
+                poll_interval_ms: Some(u64::MAX),
             },
         ];
         for b in &bodies {

@@ -36,7 +36,9 @@ pub enum Class {
 /// shown it may use the route).
 pub fn class(path: &str) -> Class {
     match path {
-        "/v1/admit" | "/v1/release" | "/v1/feedback" => Class::Caller,
+        "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/tasks/poll" | "/v1/renew" => {
+            Class::Caller
+        }
         "/metrics" | "/v1/alerts" => Class::Metrics,
         p if p.starts_with("/v1/tenants/") => Class::Caller,
         p if p.starts_with("/v1/admin/") => Class::Admin,
@@ -142,6 +144,8 @@ mod tests {
     fn routes_fall_in_their_classes() {
         assert_eq!(class("/v1/admit"), Class::Caller);
         assert_eq!(class("/v1/tenants/acme"), Class::Caller);
+        assert_eq!(class("/v1/tasks/poll"), Class::Caller);
+        assert_eq!(class("/v1/renew"), Class::Caller);
         assert_eq!(class("/v1/admin/reload"), Class::Admin);
         assert_eq!(class("/metrics"), Class::Metrics);
         assert_eq!(class("/v1/alerts"), Class::Metrics);

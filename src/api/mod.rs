@@ -8,7 +8,7 @@
 //!
 //! This file is the router. Each route lives in a file named after it (`admit.rs`, `release.rs`,
 //! `feedback.rs`, `tenant.rs`, `ready.rs`, `reload.rs`, `edge.rs`, `edge_answer.rs` for
-//! `/v1/edge/refusal`), with its body's shape, its
+//! `/v1/edge/refusal`, `renew.rs`, `tasks.rs` for MCP task polls), with its body's shape, its
 //! checks and its answer; what several routes read alike is in `fields.rs`.
 
 pub mod admit;
@@ -27,7 +27,9 @@ pub mod policy_cache;
 pub mod ready;
 pub mod release;
 pub mod reload;
+pub mod renew;
 pub mod retry_after;
+pub mod tasks;
 pub mod tenant;
 pub mod unparsed;
 
@@ -262,6 +264,8 @@ where
         "/v1/feedback" if post => {
             Box::pin(feedback::feedback(app, json_body(&head, body).await?)).await
         }
+        "/v1/tasks/poll" if post => Box::pin(tasks::poll(app, json_body(&head, body).await?)).await,
+        "/v1/renew" if post => Box::pin(renew::renew(app, json_body(&head, body).await?)).await,
         "/healthz" if get => Ok(json(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
         // Not ready from the moment shutdown starts, so a load balancer stops sending here.
         "/readyz" if get && app.shared.stopping() => Ok(json(
@@ -309,7 +313,8 @@ where
         }
         p => {
             let allow = match p {
-                "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/admin/reload" => Some("POST"),
+                "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/admin/reload"
+                | "/v1/tasks/poll" | "/v1/renew" => Some("POST"),
                 "/healthz" | "/readyz" => Some("GET, HEAD"),
                 "/v1/edge/refusal" => Some("GET, POST, DELETE, HEAD"),
                 "/metrics" if app.metrics.is_some() => Some("GET, HEAD"),

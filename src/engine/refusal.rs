@@ -112,6 +112,7 @@ pub fn reason(scope: Scope) -> &'static str {
         Scope::UpstreamPenalty => "upstream asked to slow down",
         Scope::Adaptive => "upstream is rejecting requests",
         Scope::Oversized => "call larger than the limit",
+        Scope::TaskPoll => "task polled sooner than told",
     }
 }
 
@@ -190,6 +191,10 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
             "This call is too large to ever fit its limit (it costs {} units; the limit is {}). Waiting will not help and retrying it unchanged will fail again. Make the request smaller, for example ask for fewer items or a narrower range, or tell the user it cannot be done in one call.",
             trim_number(cx.cost),
             trim_number(cx.limit)
+        ),
+        Scope::TaskPoll => write!(
+            text,
+            "This task's status was checked sooner than the server asked; the task keeps running meanwhile. {retry} {FORWARD}"
         ),
     };
     text

@@ -17,10 +17,12 @@ pub enum Scope {
     UpstreamPenalty,
     Adaptive,
     Oversized,
+    /// An MCP task's status was polled sooner than it was told (`POST /v1/tasks/poll`).
+    TaskPoll,
 }
 
 impl Scope {
-    pub const ALL: [Scope; 10] = [
+    pub const ALL: [Scope; 11] = [
         Scope::Subject,
         Scope::SubjectTool,
         Scope::Tenant,
@@ -31,6 +33,7 @@ impl Scope {
         Scope::UpstreamPenalty,
         Scope::Adaptive,
         Scope::Oversized,
+        Scope::TaskPoll,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -45,6 +48,7 @@ impl Scope {
             Scope::UpstreamPenalty => "upstream_penalty",
             Scope::Adaptive => "adaptive",
             Scope::Oversized => "oversized",
+            Scope::TaskPoll => "task_poll",
         }
     }
 }

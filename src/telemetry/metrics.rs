@@ -143,6 +143,8 @@ struct TenantGauges {
     upstream_utilization: Gauge,
     /// Used and limit; registered when the tenant first reports a daily quota.
     quota: Option<(Gauge, Gauge)>,
+    /// Registered when the tenant first reports a task.
+    tasks: Option<Gauge>,
 }
 
 impl TenantGauges {
@@ -155,6 +157,7 @@ impl TenantGauges {
             subject_utilization: util("subject"),
             upstream_utilization: util("tenant_upstream"),
             quota: None,
+            tasks: None,
         }
     }
 }
@@ -492,6 +495,14 @@ impl MetricsActor {
                         u.set(used);
                         l.set(limit);
                     }
+                    // A tenant that never ran a task has no series (most tenants never do).
+                    if gauges.tasks > 0 || g.tasks.is_some() {
+                        g.tasks
+                            .get_or_insert_with(
+                                || gauge!(TASKS_INFLIGHT, "tenant" => tenant.to_string()),
+                            )
+                            .set(gauges.tasks as f64);
+                    }
                     // A budget whose state was dropped (or whose tenant stopped) is back at its
                     // configured rate with no throttle: say so rather than freeze the last value.
                     let before = self.upstream_rates.remove(&tenant).unwrap_or_default();
@@ -532,6 +543,16 @@ impl MetricsActor {
                         gauge!(UPSTREAM_THROTTLE, "tenant" => SHARED_TENANT, "upstream" => up.to_string()).set(*p);
                     }
                     self.set_penalties(Arc::from(SHARED_TENANT), shared_penalties.clone());
+                }
+                TenantEvent::TaskStarted { tenant } => {
+                    let tenant = self.caps.tenant(tenant);
+                    counter!(TASKS_STARTED, "tenant" => tenant.to_string()).increment(1);
+                }
+                TenantEvent::TaskPolled { tenant, admitted } => {
+                    let tenant = self.caps.tenant(tenant);
+                    let decision = if *admitted { "admitted" } else { "refused" };
+                    counter!(TASK_POLLS, "tenant" => tenant.to_string(), "decision" => decision)
+                        .increment(1);
                 }
                 // For the alerts only.
                 TenantEvent::Calls { .. } => {}

@@ -211,6 +211,10 @@ pub enum TenantEvent {
         /// Calls answered since the previous report, for the shed-ratio alerts.
         calls: CallCounts,
     },
+    /// An MCP task started (`POST /v1/admit` with `"task": true`).
+    TaskStarted { tenant: Arc<str> },
+    /// A task's poll (`POST /v1/tasks/poll`): on time (admitted) or early (refused).
+    TaskPolled { tenant: Arc<str>, admitted: bool },
     /// Calls a tenant actor answered since its previous report, reported on demand (a read of
     /// `GET /v1/alerts`, see [`Telemetry::refresh_alerts`]) between its reports once a second.
     Calls { tenant: Arc<str>, calls: CallCounts },

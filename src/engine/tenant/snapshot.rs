@@ -29,6 +29,8 @@ pub struct TenantGauges {
     pub upstream_rates: Vec<UpstreamGauge>,
     pub quota_used: Option<f64>,
     pub quota_limit: Option<f64>,
+    /// MCP tasks in flight.
+    pub tasks: u64,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -357,6 +359,7 @@ impl TenantEngine {
             upstream_rates: rates,
             quota_used: p.limits.tenant.daily_quota.map(|_| self.quota.used_on(day)),
             quota_limit: p.limits.tenant.daily_quota,
+            tasks: self.tasks_live(now),
         }
     }
 

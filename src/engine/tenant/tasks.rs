@@ -65,9 +65,20 @@ impl TenantEngine {
             .count() as u64
     }
 
-    /// Tasks in flight now (for the gauges).
+    /// Tasks in flight now, dropping what is kept for leases that ended.
     pub fn tasks_in_flight(&mut self, now: Nanos) -> u64 {
         self.live_tasks(now)
+    }
+
+    /// Tasks in flight now (for the gauges, which only read).
+    pub(super) fn tasks_live(&self, now: Nanos) -> u64 {
+        self.tasks
+            .extra
+            .iter()
+            .filter(|(id, e)| {
+                e.poll_due.is_some() && self.leases.get(**id).is_some_and(|l| l.expires > now)
+            })
+            .count() as u64
     }
 
     /// Sets a lease to end `ttl_ns` after `now` (after its hold, for a held call).
