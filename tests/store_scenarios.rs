@@ -327,6 +327,40 @@ fn unknown_leases_are_404(redis: bool) {
     assert_eq!(d.get("/v1/tenants/nobody").status, 404);
 }
 
+/// MCP tasks: the interval each is told follows the tenant's tasks in flight, capped, on either
+/// store by the same arithmetic; an early poll is refused, a released task is unknown.
+fn task_intervals_follow_the_tasks_in_flight(redis: bool) {
+    let s = start(
+        "[limits.subject]\nrate = \"1000/s\"\nburst = 1000\n\
+         [tasks]\npoll_interval = \"100ms\"\npoll_rate = \"10/s\"\nmax_poll_interval = \"350ms\"\n",
+        redis,
+    );
+    let d = &s.daemon;
+    let mut leases = Vec::new();
+    let mut told = Vec::new();
+    for _ in 0..5 {
+        let a = d.admit(json!({"tenant": "acme", "subject": "w", "tool": "export", "task": true}));
+        leases.push(lease(&a));
+        told.push(a.body["poll_interval_ms"].as_u64().unwrap_or(0));
+    }
+    assert_eq!(told, [100, 200, 300, 350, 350]);
+    let early = d.post("/v1/tasks/poll", json!({"lease_id": leases[4]}));
+    assert_eq!(early.status, 429, "{}", early.body);
+    assert_eq!(early.body["scope"], "task_poll");
+    std::thread::sleep(Duration::from_millis(400));
+    let on_time = d.post("/v1/tasks/poll", json!({"lease_id": leases[4]}));
+    assert_eq!(on_time.status, 200, "{}", on_time.body);
+    assert_eq!(
+        on_time.body["poll_interval_ms"], 350,
+        "five tasks at 10/s, capped"
+    );
+    for l in &leases {
+        assert_eq!(d.release(l).status, 200);
+    }
+    let gone = d.post("/v1/tasks/poll", json!({"lease_id": leases[0]}));
+    assert_eq!(gone.status, 404, "{}", gone.body);
+}
+
 macro_rules! both_stores {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -351,4 +385,5 @@ both_stores!(
     feedback_on_a_shared_upstream_pauses_every_tenant,
     shadow_mode_admits_and_spends_nothing,
     unknown_leases_are_404,
+    task_intervals_follow_the_tasks_in_flight,
 );

@@ -28,7 +28,7 @@ use compact_str::CompactString;
 use parking_lot::RwLock;
 
 pub use global::GlobalActor;
-pub use tasks::{PollTask, Renew, StartTask};
+pub use tasks::{PollTask, Renew, StartTask, TaskError};
 pub use tenant::{
     Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, ExportDurable,
     Feedback, ImportDurable, Layers, Release, ReportCalls, Snapshot, TenantActor, Tick, TICK,

@@ -52,6 +52,9 @@ pub struct Remote {
     indexed: HashMap<Arc<str>, Nanos>,
     /// When `indexed` was last cleared of entries older than [`INDEX_EVERY`].
     indexed_pruned: Nanos,
+    /// The tenant's MCP tasks in flight, as the store counted them at this replica's last start or
+    /// poll of one (for the gauge).
+    pub(super) tasks: u64,
 }
 
 impl Remote {
@@ -63,6 +66,7 @@ impl Remote {
             in_store: 0,
             indexed: HashMap::new(),
             indexed_pruned: 0,
+            tasks: 0,
         }
     }
 
@@ -338,33 +342,5 @@ impl TenantActor {
         if let Some(r) = &mut self.remote {
             r.detached.retain(|_, until| *until > now);
         }
-    }
-}
-
-impl TenantActor {
-    /// [`super::StartTask`] for a lease kept in the shared store.
-    pub(super) fn start_task_remote(
-        &mut self,
-        _lease: u64,
-    ) -> ResponseActFuture<Self, Result<u64, crate::engine::UnknownLease>> {
-        Box::pin(actix::fut::ready(Err(crate::engine::UnknownLease)))
-    }
-
-    /// [`super::PollTask`] for a task kept in the shared store.
-    pub(super) fn poll_task_remote(
-        &mut self,
-        _lease: u64,
-    ) -> ResponseActFuture<Self, Result<crate::engine::PollAnswer, crate::engine::UnknownLease>>
-    {
-        Box::pin(actix::fut::ready(Err(crate::engine::UnknownLease)))
-    }
-
-    /// [`super::Renew`] for a lease kept in the shared store.
-    pub(super) fn renew_remote(
-        &mut self,
-        _lease: u64,
-        _ttl_ns: Option<u64>,
-    ) -> ResponseActFuture<Self, Result<u64, crate::engine::UnknownLease>> {
-        Box::pin(actix::fut::ready(Err(crate::engine::UnknownLease)))
     }
 }

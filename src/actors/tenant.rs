@@ -241,9 +241,13 @@ impl TenantActor {
         if self.ticks % PRUNE_EVERY_TICKS == 0 {
             self.engine.prune(now, wall);
         }
+        let mut gauges = self.engine.gauges(now, wall);
+        if let Some(r) = &self.remote {
+            gauges.tasks = r.tasks;
+        }
         self.shared.telemetry.tenant_event(TenantEvent::Gauges {
             tenant: self.engine.tenant().clone(),
-            gauges: self.engine.gauges(now, wall),
+            gauges,
             calls: std::mem::take(&mut self.calls),
         });
         let idle_ttl = self.engine.config().server.idle_ttl.as_nanos() as u64;

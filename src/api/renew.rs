@@ -10,7 +10,7 @@ use serde::Deserialize;
 use warp::http::StatusCode;
 use warp::reply::Response;
 
-use super::tasks::{ask_lease, unknown_lease};
+use super::tasks::{ask_lease, task_error, unknown_lease};
 use super::{body, json_response, lease, ApiError, App};
 use crate::actors::Renew;
 use crate::clock::{ceil_ms, NS_PER_MS};
@@ -44,7 +44,7 @@ pub async fn renew(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiE
     let (tenant, lease) = lease::decode(&b.lease_id).ok_or_else(unknown_lease)?;
     let left_ns = ask_lease(&app.shared, &tenant, Renew { lease, ttl_ns })
         .await?
-        .map_err(|_| unknown_lease())?;
+        .map_err(task_error)?;
     let mut out = Vec::with_capacity(48);
     out.extend_from_slice(b"{\"renewed\":true,\"expires_in_ms\":");
     out.extend_from_slice(itoa::Buffer::new().format(ceil_ms(left_ns)).as_bytes());

@@ -14,7 +14,7 @@ use warp::http::{HeaderValue, StatusCode};
 use warp::reply::Response;
 
 use super::{body, json, json_response, lease, ApiError, App};
-use crate::actors::{PollTask, Shared, StartTask};
+use crate::actors::{PollTask, Shared, StartTask, TaskError};
 use crate::clock::ceil_ms;
 use crate::engine::refusal::{self, whole_seconds, RefusalContext};
 use crate::engine::{PollAnswer, Scope, Shed};
@@ -32,6 +32,17 @@ pub(super) fn unknown_lease() -> ApiError {
         "unknown_lease",
         "no such lease: it was never issued, was already released, or expired",
     )
+}
+
+/// A lease that is not live is 404; a shared store that does not answer is 503 (the lease may be
+/// live: the caller tries again rather than give the task up).
+pub(super) fn task_error(e: TaskError) -> ApiError {
+    match e {
+        TaskError::Unknown => unknown_lease(),
+        TaskError::Unavailable => ApiError::unavailable(
+            "the shared store does not answer; whether the lease is live is not known, try again",
+        ),
+    }
 }
 
 /// Asks the tenant's actor; with a shared store the lease may be another replica's, so the actor
@@ -59,7 +70,7 @@ where
 /// for the answer's `poll_interval_ms`.
 pub(super) async fn start(shared: &Arc<Shared>, tenant: &str, lease: u64) -> Result<u64, ApiError> {
     let started = ask_lease(shared, tenant, StartTask(lease)).await?;
-    let interval_ms = started.map_err(|_| unknown_lease())?;
+    let interval_ms = started.map_err(task_error)?;
     shared.telemetry.tenant_event(TenantEvent::TaskStarted {
         tenant: Arc::from(tenant),
     });
@@ -100,7 +111,7 @@ pub async fn poll(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiEr
     let (tenant, lease) = lease::decode(&b.lease_id).ok_or_else(unknown_lease)?;
     let answer = ask_lease(&app.shared, &tenant, PollTask(lease))
         .await?
-        .map_err(|_| unknown_lease())?;
+        .map_err(task_error)?;
     let tenant: Arc<str> = Arc::from(tenant.as_str());
     Ok(match answer {
         PollAnswer::Due { interval_ms } => {

@@ -26,6 +26,9 @@
 --   upstream report an upstream's answer seen outside a lease (penalty, AIMD, adaptive window)
 --   refund   give back bucket tokens (a cross-shard part of a call refused by another shard)
 --   snapshot read a tenant's state for GET /v1/tenants/{tenant}
+--   task     make a lease an MCP task (its end at the task TTL) and schedule its first poll
+--   poll     check a task's poll against its schedule; schedule the next one when on time
+--   renew    move a live lease's end (and its slots') to its TTL after now
 
 local op = ARGV[1]
 local spec, extra -- the operation's spec and lease data, set for each operation of a batch
@@ -61,6 +64,9 @@ local SLACK = 10e6 -- how far past what it must outlive a key's expiry is pushed
 -- `pushed`; returns the instant it lives until now.
 local function keep_until(key, at, pushed)
   if pushed >= at then return pushed end
+  -- A renewed lease or a task may end long after this call: never cut a set's life short.
+  local left = redis.call('PTTL', key)
+  if left > 0 and now + left * 1000 >= at + SLACK then return now + left * 1000 end
   expire_at(key, at + SLACK)
   return at + SLACK
 end
@@ -508,8 +514,102 @@ local function op_snapshot()
   return cjson.encode(out)
 end
 
+-- Tasks and renewals. A renewed lease or a task keeps `due|ttl` in its own key `x` beside the
+-- lease, living as long as the lease: `due` its next poll (empty for a lease that is not a task),
+-- `ttl` its own TTL. The tenant's tasks are the set `tasks`, scored by their ends; `cur` is the
+-- tenant's poll cursor. The interval arithmetic is the engine's (src/engine/poll.rs), written again
+-- here on the store's clock: spec {min, spacing, max, grace} in microseconds.
+
+-- Makes `key` live until at least `at` (a key without an expiry gets one; a missing key stays so).
+local function outlive(key, at)
+  local left = redis.call('PTTL', key)
+  if left == -2 then return end
+  if left == -1 or now + left * 1000 < at then expire_at(key, at + SLACK) end
+end
+
+-- Moves a live lease's end to `ttl` after now (after its hold), its slots' with it. Returns the
+-- new end, or nil when the lease is gone.
+local function extend(ttl)
+  local v = redis.pcall('GET', spec.lease)
+  if type(v) ~= 'string' then return nil end
+  local hu, d = string.match(v, '^[^|]*|([^|]*)|[^|]*|[^|]*|[^|]*|(.*)$')
+  if not d then return nil end
+  local ends = math.max(now, tonumber(hu) or now) + ttl
+  expire_at(spec.lease, ends)
+  local ok, data = pcall(cjson.decode, d)
+  if ok and type(data) == 'table' and type(data.zsets) == 'table' then
+    for _, z in ipairs(data.zsets) do
+      redis.call('ZADD', z, 'XX', fmt(ends), spec.id)
+      outlive(z, ends + GRACE)
+    end
+  end
+  return ends
+end
+
+-- The tenant's tasks in flight: those whose lease is still there (a released task's lease is gone).
+local function tasks_in_flight()
+  redis.call('ZREMRANGEBYSCORE', spec.tasks, '-inf', fmt(now))
+  local n = 0
+  for _, id in ipairs(redis.call('ZRANGE', spec.tasks, 0, -1)) do
+    if redis.call('EXISTS', spec.lp .. id) == 1 then n = n + 1 else redis.call('ZREM', spec.tasks, id) end
+  end
+  return n
+end
+
+-- The next poll of a task with `n` tasks in flight: never before now + max(min, n * spacing), never
+-- after now + max, no earlier than the cursor; whole milliseconds from now. Returns it and the ms.
+local function schedule(n)
+  local base = math.min(math.max(spec.spacing * n, spec.min), spec.max)
+  local at = math.min(math.max(now + base, num(redis.call('GET', spec.cur), 0)), now + spec.max)
+  local ms = math.ceil((at - now) / 1000)
+  local due = now + ms * 1000
+  redis.call('SET', spec.cur, fmt(due + spec.spacing), 'PX', math.ceil((spec.max + spec.spacing) / 1000) + 1000)
+  return due, ms
+end
+
+local function op_task()
+  local ends = extend(spec.ttl)
+  if not ends then return {'unknown'} end
+  local n = tasks_in_flight() + 1
+  redis.call('ZADD', spec.tasks, fmt(ends), spec.id)
+  outlive(spec.tasks, ends)
+  local due, ms = schedule(n)
+  redis.call('SET', spec.x, fmt(due) .. '|' .. fmt(spec.ttl), 'PX', math.max(math.ceil((ends - now) / 1000), 1))
+  return {'ok', fmt(ms), fmt(n)}
+end
+
+local function op_poll()
+  if redis.call('EXISTS', spec.lease) == 0 then return {'unknown'} end
+  local x = redis.call('GET', spec.x)
+  if not x then return {'unknown'} end
+  local due, ttl = string.match(x, '^([^|]*)|(.*)$')
+  due = tonumber(due)
+  if not due then return {'unknown'} end
+  if now + spec.grace < due then return {'early', fmt(due - now)} end
+  local n = tasks_in_flight()
+  local next, ms = schedule(n)
+  redis.call('SET', spec.x, fmt(next) .. '|' .. ttl, 'KEEPTTL')
+  return {'due', fmt(ms), fmt(n)}
+end
+
+local function op_renew()
+  local x = redis.call('GET', spec.x)
+  local due, own = '', nil
+  if x then due, own = string.match(x, '^([^|]*)|(.*)$') end
+  local ttl = spec.ttl
+  if ttl < 0 then ttl = tonumber(own) or spec.dttl end
+  local ends = extend(ttl)
+  if not ends then return {'unknown'} end
+  redis.call('SET', spec.x, (due or '') .. '|' .. fmt(ttl), 'PX', math.max(math.ceil((ends - now) / 1000), 1))
+  if due and due ~= '' then
+    redis.call('ZADD', spec.tasks, 'XX', fmt(ends), spec.id)
+    outlive(spec.tasks, ends)
+  end
+  return {'ok', fmt(ends - now)}
+end
+
 local ops = {decide = op_decide, release = op_release, upstream = op_upstream, refund = op_refund,
-  snapshot = op_snapshot}
+  snapshot = op_snapshot, task = op_task, poll = op_poll, renew = op_renew}
 
 local function run(name, body, data)
   local f = ops[name]

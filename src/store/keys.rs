@@ -57,6 +57,9 @@ impl Keys {
             StateKey::Lease(id) => format!("{}:l:{id:016x}", t()),
             StateKey::RunTimes => format!("{}:rt", t()),
             StateKey::SubjectIndex => format!("{}:subjects", t()),
+            StateKey::LeaseExtra(id) => format!("{}:lx:{id:016x}", t()),
+            StateKey::Tasks => format!("{}:tasks", t()),
+            StateKey::TaskCursor => format!("{}:tcur", t()),
         }
     }
 }
@@ -97,6 +100,9 @@ mod tests {
             StateKey::Lease(7),
             StateKey::RunTimes,
             StateKey::SubjectIndex,
+            StateKey::LeaseExtra(7),
+            StateKey::Tasks,
+            StateKey::TaskCursor,
         ];
         for key in &tenant_keys {
             assert!(!key.cross_tenant(), "{key:?}");

@@ -16,8 +16,10 @@ pub mod keys;
 mod lane;
 pub mod redis;
 mod spec;
+mod tasks;
 
 pub use self::redis::{RedisStore, Refund, StoreError, StoreReleased};
+pub use self::tasks::StoreTask;
 
 /// How admissions are decided right now (the `mode` label of `admitd_store_mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

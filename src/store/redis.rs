@@ -111,7 +111,7 @@ pub enum Refund {
 /// A Redis store shared by several replicas.
 pub struct RedisStore {
     pub(super) cfg: StoreConfig,
-    keys: Keys,
+    pub(super) keys: Keys,
     pub(super) script: redis::Script,
     conns: ArcSwapOption<Conns>,
     up: AtomicBool,
@@ -348,7 +348,7 @@ impl RedisStore {
     /// One operation of the script, bounded by the timeout. On one server it goes on the calling
     /// worker's lane ([`RedisStore::lane`]), batched with the worker's other operations; a cluster
     /// gets one script call per operation, routed by `route` to the shard of its keys.
-    async fn invoke(
+    pub(super) async fn invoke(
         self: &Arc<Self>,
         route: &str,
         op: &'static str,

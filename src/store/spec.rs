@@ -391,6 +391,52 @@ pub(super) fn parse_decide(
     }
 }
 
+/// What the script's `task`, `poll` and `renew` operations read: the lease and the keys beside it,
+/// the TTL to extend it by (`ttl`, -1: its own, else `dttl`), and the poll schedule's bounds, all
+/// in microseconds.
+#[derive(Serialize)]
+pub(super) struct TaskSpec {
+    lease: String,
+    /// The lease's own key beside it (its TTL, a task's next poll).
+    x: String,
+    id: String,
+    /// Every lease key of the tenant starts with this (to tell a live task from a released one).
+    lp: String,
+    tasks: String,
+    cur: String,
+    ttl: f64,
+    dttl: f64,
+    min: f64,
+    spacing: f64,
+    max: f64,
+    grace: f64,
+}
+
+pub(super) fn task_spec(
+    keys: &Keys,
+    tenant: &str,
+    lease: u64,
+    ttl_us: Option<f64>,
+    default_ttl_us: f64,
+    poll: &crate::engine::poll::PollPolicy,
+) -> TaskSpec {
+    let us = |ns: u64| ns as f64 / 1e3;
+    TaskSpec {
+        lease: keys.key(tenant, &StateKey::Lease(lease)),
+        x: keys.key(tenant, &StateKey::LeaseExtra(lease)),
+        id: format!("{lease:016x}"),
+        lp: format!("{}:l:", keys.tenant_base(tenant)),
+        tasks: keys.key(tenant, &StateKey::Tasks),
+        cur: keys.key(tenant, &StateKey::TaskCursor),
+        ttl: ttl_us.unwrap_or(-1.0),
+        dttl: default_ttl_us,
+        min: us(poll.min_ns),
+        spacing: us(poll.spacing_ns),
+        max: us(poll.max_ns),
+        grace: us(crate::engine::poll::POLL_GRACE_NS),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,6 +38,12 @@ pub enum StateKey {
     RunTimes,
     /// The subjects seen lately (for snapshots).
     SubjectIndex,
+    /// What a renewed lease or an MCP task keeps beside its lease: its own TTL, a task's next poll.
+    LeaseExtra(u64),
+    /// The tenant's MCP tasks in flight, by their ends.
+    Tasks,
+    /// The tenant's poll cursor (see [`crate::engine::poll`]).
+    TaskCursor,
 }
 
 impl StateKey {
