@@ -32,6 +32,8 @@ export interface AdmitArgs {
   callId?: string;
   /** The incoming request's W3C traceparent, to parent the admission span. */
   traceparent?: string;
+  /** Admit the call as an MCP task: its lease lives [tasks] lease_ttl; body.poll_interval_ms. */
+  task?: boolean;
 }
 
 export type Decision =
@@ -116,6 +118,10 @@ export declare class Admitd {
   ): Promise<boolean>;
   feedback(args: { tenant: string; upstream: string; status: number; retryAfter?: string | number }): Promise<void>;
   tenant(name: string): Promise<Record<string, unknown> | null>;
+  /** Extends a lease; the milliseconds it now lives, or null when admitd no longer knows it. */
+  renew(leaseId: string, ttlMs?: number): Promise<number | null>;
+  /** Checks one poll of a task with admitd; null when the task is unknown. */
+  pollTask(leaseId: string): Promise<{ due: boolean; pollIntervalMs: number } | null>;
   /** Runs fn only when admitted; resolves to admitd's tool result when refused. */
   call<T>(args: AdmitArgs, fn: (call: Call) => Promise<T> | T): Promise<T | ToolResult>;
   /** Releases an admitted call once; never throws (a failed release is logged). */

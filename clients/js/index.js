@@ -223,8 +223,9 @@ export class Admitd {
    * Asks whether the call may run. `subject` must come from the validated credential, never from
    * anything the model wrote; pass the incoming request's W3C `traceparent` to join its trace.
    */
-  async admit({ tenant, subject, tool, upstream, cost, maxWaitMs, callId, traceparent }) {
+  async admit({ tenant, subject, tool, upstream, cost, maxWaitMs, callId, traceparent, task }) {
     const body = { tenant, subject, tool };
+    if (task) body.task = true;
     if (upstream != null) body.upstream = upstream;
     if (cost != null) body.cost = cost;
     if (maxWaitMs != null) body.max_wait_ms = maxWaitMs;
@@ -325,6 +326,31 @@ export class Admitd {
     if (retryAfter != null) body.retry_after = retryAfterValue(retryAfter);
     const answer = await this.#request("POST", "/v1/feedback", body);
     if (answer.status !== 202) throw Admitd.#error(answer.status, answer.body);
+  }
+
+  /**
+   * Extends a lease (by its own TTL unless `ttlMs`): resolves to the milliseconds it now lives, or
+   * null when admitd no longer knows it.
+   */
+  async renew(leaseId, ttlMs) {
+    const body = { lease_id: leaseId };
+    if (ttlMs != null) body.ttl_ms = Math.trunc(ttlMs);
+    const { status, body: b } = await this.#request("POST", "/v1/renew", body);
+    if (status === 200) return b.expires_in_ms;
+    if (status === 404) return null;
+    throw Admitd.#error(status, b);
+  }
+
+  /**
+   * Checks one poll of a task: `{ due: true, pollIntervalMs }` on time (the next interval),
+   * `{ due: false, pollIntervalMs }` early (the time left), null when the task is unknown.
+   */
+  async pollTask(leaseId) {
+    const { status, body: b } = await this.#request("POST", "/v1/tasks/poll", { lease_id: leaseId });
+    if (status === 200) return { due: true, pollIntervalMs: b.poll_interval_ms };
+    if (status === 429) return { due: false, pollIntervalMs: Math.max(1, b.retry_after_ms ?? 1) };
+    if (status === 404) return null;
+    throw Admitd.#error(status, b);
   }
 
   /** The tenant's snapshot, or null when admitd holds no state for it. */

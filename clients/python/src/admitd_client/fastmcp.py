@@ -55,7 +55,8 @@ class AdmitdMiddleware(Middleware):
     ``identity(token)`` returns ``(tenant, subject)`` from FastMCP's ``AccessToken`` (None when
     the request carried none); ``upstreams`` and ``costs`` map tool names to the upstream they
     spend and their cost (absent: admitd's configured defaults); ``max_wait_ms`` caps how long
-    admitd may hold a call waiting for capacity."""
+    admitd may hold a call waiting for capacity; ``tasks`` is an ``AdmitdTasks`` extension
+    (``admitd_client.fastmcp_tasks``), whose task calls it leaves to that extension to admit."""
 
     def __init__(
         self,
@@ -65,14 +66,23 @@ class AdmitdMiddleware(Middleware):
         upstreams: Optional[Mapping[str, str]] = None,
         costs: Optional[Mapping[str, float]] = None,
         max_wait_ms: Optional[float] = None,
+        tasks: Optional[Any] = None,
     ):
         self.guard = Guard(admitd, identity, upstreams, costs, max_wait_ms)
+        # An ``AdmitdTasks`` extension admits the calls it answers with a task itself.
+        self.tasks = tasks
 
     async def on_call_tool(
         self,
         context: MiddlewareContext[mt.CallToolRequestParams],
         call_next: CallNext[mt.CallToolRequestParams, ToolResult],
     ) -> ToolResult:
+        if self.tasks is not None:
+            from .fastmcp_tasks import request_meta
+
+            meta = request_meta(context.fastmcp_context, context.message)
+            if self.tasks.takes(context.message.name, meta):
+                return await call_next(context)
         return await self.guard.run(
             get_access_token(),
             context.message.name,
