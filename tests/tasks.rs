@@ -253,7 +253,10 @@ fn two_replicas(config: &str) -> (RedisServer, Vec<Daemon>) {
     let ds: Vec<Daemon> = (0..2).map(|_| Daemon::start(&cfg)).collect();
     for d in &ds {
         let shared = || d.get("/readyz").body["store"]["mode"] == "shared";
-        assert!(eventually(Duration::from_secs(10), shared), "the store is reached");
+        assert!(
+            eventually(Duration::from_secs(10), shared),
+            "the store is reached"
+        );
     }
     (redis, ds)
 }
