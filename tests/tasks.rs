@@ -245,9 +245,14 @@ fn bad_polls_and_renewals_are_clear_400s() {
 }
 
 fn two_replicas(config: &str) -> (RedisServer, Vec<Daemon>) {
+    two_replicas_with(config, "")
+}
+
+/// Two replicas on one fresh Redis; `store` adds keys to their `[store]`.
+fn two_replicas_with(config: &str, store: &str) -> (RedisServer, Vec<Daemon>) {
     let redis = RedisServer::start();
     let cfg = format!(
-        "{config}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"250ms\"\n",
+        "{config}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"250ms\"\n{store}\n",
         redis.url()
     );
     let ds: Vec<Daemon> = (0..2).map(|_| Daemon::start(&cfg)).collect();
@@ -298,4 +303,17 @@ fn in_redis_a_tasks_slot_outlives_the_calls_admitted_after_it() {
     ds[1].release(&c);
     assert_eq!(renew(&ds[1], &t).status, 200);
     assert!(pttl(slots) > 3_000_000, "{}", pttl(slots));
+}
+
+#[test]
+fn a_task_admitted_while_the_store_is_down_runs_as_a_call_with_the_shortest_interval() {
+    let (mut redis, ds) = two_replicas_with("", "on_error = \"fail_open\"");
+    redis.stop();
+    let a = ds[0].admit(task("acme"));
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(interval(&a), 2_000, "[tasks] poll_interval, the default");
+    // Whether it is live is not known while the store is away: 503, never a 404 that would make
+    // the server give the task up.
+    let p = poll(&ds[1], a.body["lease_id"].as_str().unwrap());
+    assert_eq!(p.status, 503, "{:?}", p.body);
 }

@@ -175,7 +175,7 @@ pub async fn admit(
     // A task's lease is made long-lived once the call holds it (after any hold).
     let poll_interval_ms = match &decision.verdict {
         Verdict::Admitted(a) if task => {
-            Some(Box::pin(super::tasks::start(shared, tenant, a.lease)).await?)
+            Some(Box::pin(super::tasks::start(shared, tenant, a.lease)).await)
         }
         _ => None,
     };

@@ -68,13 +68,31 @@ where
 
 /// Makes an admitted call a task: its lease lives `[tasks] lease_ttl`. Returns the poll interval
 /// for the answer's `poll_interval_ms`.
-pub(super) async fn start(shared: &Arc<Shared>, tenant: &str, lease: u64) -> Result<u64, ApiError> {
-    let started = ask_lease(shared, tenant, StartTask(lease)).await?;
-    let interval_ms = started.map_err(task_error)?;
-    shared.telemetry.tenant_event(TenantEvent::TaskStarted {
-        tenant: Arc::from(tenant),
-    });
-    Ok(interval_ms)
+///
+/// The call is admitted whatever happens here. When its lease cannot be made a task (admitted
+/// unchecked while the shared store was down, or the store stopped answering since), it is answered
+/// with the shortest interval and keeps a call's lease, which the worker's renewals extend.
+pub(super) async fn start(shared: &Arc<Shared>, tenant: &str, lease: u64) -> u64 {
+    let started = ask_lease(shared, tenant, StartTask(lease)).await;
+    match started {
+        Ok(Ok(interval_ms)) => {
+            shared.telemetry.tenant_event(TenantEvent::TaskStarted {
+                tenant: Arc::from(tenant),
+            });
+            interval_ms
+        }
+        other => {
+            let why = match other {
+                Ok(Err(TaskError::Unavailable)) | Err(_) => "the shared store does not answer",
+                _ => "its lease is not in the shared store",
+            };
+            tracing::warn!(
+                tenant,
+                "a call admitted as a task runs as a plain call: {why}"
+            );
+            ceil_ms(shared.config.load().tasks.poll_interval.as_nanos() as u64)
+        }
+    }
 }
 
 /// The 429 of an early poll: the contract's shed body, with the time until the poll is due.
