@@ -29,7 +29,7 @@ from mcp_types import CallToolRequestParams, RequestParams
 from pydantic import BaseModel, ConfigDict
 
 from ._async import AsyncAdmitd
-from ._guard import Guard, Identity
+from ._guard import Guard, Identity, IdentityError, identity_refusal
 from ._wire import DEFAULT_URL
 from .tasks import TASKS_EXTENSION, Tasks, UnknownTask, declares_tasks
 
@@ -119,7 +119,13 @@ class AdmitdTasks(ServerExtension):
     ) -> Any:
         if not self.takes(params.name, request_meta(context, params)):
             return await call_next()
-        tenant, subject = await self.guard.who(get_access_token())
+        try:
+            tenant, subject = await self.guard.who(get_access_token())
+        except IdentityError as e:
+            # As for any call: not run, and the model reads why.
+            from .fastmcp import refusal_result
+
+            return refusal_result(identity_refusal(str(e)))
 
         async def work() -> Dict[str, Any]:
             result = await call_next()
