@@ -1,9 +1,11 @@
-"""MCP tasks end to end: admitd (the built binary) and a FastMCP server whose long tool runs as a
-task (``servers/fastmcp_tasks_app.py``, ``AdmitdTasks``), called by the ``mcp`` SDK's client.
+"""MCP tasks end to end: admitd (the built binary) and a server whose long tool runs as a task,
+built with FastMCP (``servers/fastmcp_tasks_app.py``, ``admitd_client.fastmcp_tasks``) or with the
+official ``mcp`` SDK (``servers/mcp_tasks_app.py``, ``admitd_client.mcp_tasks``), called by the
+``mcp`` SDK's client.
 
 Neither pinned SDK (fastmcp 4.2.3, mcp 2.3.0) ships the Tasks extension of revision 2026-07-28
 (``io.modelcontextprotocol/tasks``); both carry the extension machinery (SEP-2133) it is built
-on. The server side is ``admitd_client.fastmcp_tasks``; the client side here is the extension as
+on. The server side is admitd's adapters; the client side here is the extension as
 a client implements it on the SDK's ``ClientExtension`` (declare it on each request, claim the
 ``resultType: "task"`` result, poll ``tasks/get``), so the exchange is the extension's wire
 format between two real SDK peers. ``TasksHelper`` tests the helper alone against admitd."""
@@ -93,15 +95,22 @@ def tasks_client_extension(log: List[Dict[str, Any]]) -> Any:
     return Tasks()
 
 
-class FastMcpTasksEndToEnd(unittest.IsolatedAsyncioTestCase):
+class _TasksEndToEnd:
+    """The tests; a subclass names the SDK (``sdk``) and its server (``app``)."""
+
+    sdk = ""
+    app = ""
+    daemon: Daemon
+    server: McpServer
+
     @classmethod
     def setUpClass(cls):
         require_binary()
-        require_sdk("fastmcp")
+        require_sdk(cls.sdk)
         require_sdk("mcp")
         cls.daemon = Daemon(CONFIG)
         try:
-            cls.server = McpServer("fastmcp_tasks_app", cls.daemon.url)
+            cls.server = McpServer(cls.app, cls.daemon.url)
         except BaseException:
             cls.daemon.stop()
             raise
@@ -151,10 +160,23 @@ class FastMcpTasksEndToEnd(unittest.IsolatedAsyncioTestCase):
     async def test_a_client_without_the_extension_gets_an_ordinary_call(self):
         async with self.session("tok-globex", []) as client:
             started = time.monotonic()
-            result = await client.call_tool("export_orders", {"region": "apac"})
+            call = asyncio.ensure_future(client.call_tool("export_orders", {"region": "apac"}))
+            await asyncio.sleep(1)
+            self.assertEqual(tenant_inflight(self.daemon, "globex"), 1, "admitted as a call")
+            result = await asyncio.wait_for(call, 30)
         self.assertFalse(result.is_error, result)
         self.assertIn("exported the orders of apac", result.content[0].text)
         self.assertGreaterEqual(time.monotonic() - started, 2.9, "ran inline, no task")
+
+
+class FastMcpTasksEndToEnd(_TasksEndToEnd, unittest.IsolatedAsyncioTestCase):
+    sdk = "fastmcp"
+    app = "fastmcp_tasks_app"
+
+
+class McpSdkTasksEndToEnd(_TasksEndToEnd, unittest.IsolatedAsyncioTestCase):
+    sdk = "mcp"
+    app = "mcp_tasks_app"
 
 
 class TasksHelper(unittest.IsolatedAsyncioTestCase):

@@ -85,13 +85,13 @@ class AdmitdTasks(ServerExtension):
         renew_every_s: float = 60.0,
     ):
         self.guard = Guard(admitd, identity, upstreams, costs, None)
-        self.tools = frozenset(tools)
+        self.task_tools = frozenset(tools)
         self.tasks = Tasks(self.guard.admitd, ttl_ms=ttl_ms, renew_every_s=renew_every_s)
 
     def takes(self, tool: str, meta: Optional[Mapping[str, Any]]) -> bool:
         """Whether this extension answers the call with a task: one of its tools, from a client
         that declared the extension on this very request."""
-        return tool in self.tools and declares_tasks(meta)
+        return tool in self.task_tools and declares_tasks(meta)
 
     def methods(self) -> Sequence[MethodBinding]:
         return (
