@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::redis::RedisServer;
+use common::redis::{RedisCluster, RedisServer};
 use common::{eventually, metric, Daemon};
 use serde_json::{json, Value};
 
@@ -316,4 +316,28 @@ fn a_task_admitted_while_the_store_is_down_runs_as_a_call_with_the_shortest_inte
     // the server give the task up.
     let p = poll(&ds[1], a.body["lease_id"].as_str().unwrap());
     assert_eq!(p.status, 503, "{:?}", p.body);
+}
+
+#[test]
+fn on_a_redis_cluster_a_task_is_polled_and_renewed_on_its_tenants_shard() {
+    let cluster = RedisCluster::start(3);
+    let cfg = format!(
+        "{TASKS}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ncluster = true\ntimeout = \"250ms\"\n",
+        cluster.seed_urls().join(",")
+    );
+    let ds: Vec<Daemon> = (0..2).map(|_| Daemon::start(&cfg)).collect();
+    for d in &ds {
+        let shared = || d.get("/readyz").body["store"]["mode"] == "shared";
+        assert!(
+            eventually(Duration::from_secs(10), shared),
+            "the store is reached"
+        );
+    }
+    released(&ds, "acme");
+    let t = lease(&ds[0].admit(task("initech")));
+    let early = poll(&ds[1], &t);
+    assert_eq!(early.status, 429, "{:?}", early.body);
+    assert_eq!(renew(&ds[1], &t).status, 200);
+    assert_eq!(ds[0].release(&t).status, 200);
+    assert_eq!(poll(&ds[1], &t).status, 404);
 }
