@@ -172,10 +172,19 @@ pub async fn admit(
         }
     };
     drop(held);
-    // A task's lease is made long-lived once the call holds it (after any hold).
+    // A task's lease is made long-lived once the call holds it (after any hold). A caller that
+    // goes away meanwhile would leave a slot taken for the task's TTL: the guard gives it back.
     let poll_interval_ms = match &decision.verdict {
         Verdict::Admitted(a) if task => {
-            Some(Box::pin(super::tasks::start(shared, tenant, a.lease)).await)
+            let mut guard = HoldGuard {
+                shared,
+                tenant,
+                lease: Some(a.lease),
+                waiter: None,
+            };
+            let ms = Box::pin(super::tasks::start(shared, tenant, a.lease)).await;
+            guard.lease = None;
+            Some(ms)
         }
         _ => None,
     };
