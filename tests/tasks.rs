@@ -252,7 +252,7 @@ fn two_replicas(config: &str) -> (RedisServer, Vec<Daemon>) {
 fn two_replicas_with(config: &str, store: &str) -> (RedisServer, Vec<Daemon>) {
     let redis = RedisServer::start();
     let cfg = format!(
-        "{config}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"250ms\"\n{store}\n",
+        "{config}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"2s\"\n{store}\n",
         redis.url()
     );
     let ds: Vec<Daemon> = (0..2).map(|_| Daemon::start(&cfg)).collect();
@@ -322,7 +322,7 @@ fn a_task_admitted_while_the_store_is_down_runs_as_a_call_with_the_shortest_inte
 fn on_a_redis_cluster_a_task_is_polled_and_renewed_on_its_tenants_shard() {
     let cluster = RedisCluster::start(3);
     let cfg = format!(
-        "{TASKS}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ncluster = true\ntimeout = \"250ms\"\n",
+        "{TASKS}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ncluster = true\ntimeout = \"2s\"\n",
         cluster.seed_urls().join(",")
     );
     let ds: Vec<Daemon> = (0..2).map(|_| Daemon::start(&cfg)).collect();
