@@ -1,4 +1,4 @@
-//! The command line: `admitd serve`, `admitd check` and `admitd health`.
+//! The command line: `admitd serve`, `admitd check`, `admitd health` and `admitd advise`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,6 +49,20 @@ pub enum Command {
         /// Give up after this long (e.g. 2s, 500ms).
         #[arg(long, value_name = "DURATION", default_value = "2s")]
         timeout: String,
+    },
+    /// Propose limits from the traffic running daemons saw, and replay it against the current
+    /// config and the proposal; prints the proposed config with a summary in comments. Give
+    /// several --url (the replicas of one shared store) to merge what each saw.
+    Advise {
+        /// A daemon's base URL, e.g. http://127.0.0.1:9470 (repeat for several replicas).
+        #[arg(long, value_name = "URL", required = true)]
+        url: Vec<String>,
+        /// The period to look back on (at most what the daemons keep, `[advice] keep`).
+        #[arg(long, value_name = "DURATION", default_value = "1h")]
+        over: String,
+        /// The admin token (`/v1/advice` is an admin route); defaults to $ADMITD_TOKEN.
+        #[arg(long, value_name = "TOKEN")]
+        token: Option<String>,
     },
 }
 
@@ -134,6 +148,23 @@ fn store_text(s: &crate::config::StoreConfig) -> String {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Advise { url, over, token } => {
+            if let Err(e) = crate::config::parse_duration(&over) {
+                eprintln!("admitd advise: --over {over}: {e}");
+                return ExitCode::from(2);
+            }
+            let token = token.or_else(|| std::env::var("ADMITD_TOKEN").ok());
+            match crate::advise::fetch(&url, &over, token.as_deref()) {
+                Ok(advice) => {
+                    print!("{}", crate::advise::render(&advice, &url));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("admitd advise: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Health {
             config,
             listen,

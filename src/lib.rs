@@ -7,9 +7,12 @@
 //!
 //! Layout: [`engine`] is the pure decision logic; [`actors`] runs one engine per tenant inside an actix
 //! actor; [`api`] is the warp HTTP layer; [`config`] reads the TOML file; [`telemetry`] turns decisions
-//! into metrics, spans, logs and alerts; [`cli`] is the command line.
+//! into metrics, spans, logs and alerts; [`advice`] proposes limits from the traffic it
+//! recorded; [`cli`] is the command line.
 
 pub mod actors;
+pub mod advice;
+pub mod advise;
 pub mod api;
 pub mod cli;
 pub mod clock;

@@ -674,6 +674,7 @@ fn answer_task(
         retry_after_ms: 0,
         decision_ns,
         call_id,
+        lease: 0,
         span: None,
     };
     let mut response = match &d.verdict {
@@ -684,6 +685,7 @@ fn answer_task(
                 a.queued_ns + a.hold_ns
             };
             event.waited_ns = waited_ns;
+            event.lease = a.lease;
             if let Some(s) = &a.would_shed {
                 event.kind = DecisionKind::ShadowShed;
                 event.scope = Some(s.scope);

@@ -26,7 +26,7 @@ pub enum Class {
     Open,
     /// `/v1/admit`, `/v1/release`, `/v1/feedback`, `/v1/tenants/*`.
     Caller,
-    /// `/v1/admin/*`.
+    /// `/v1/admin/*`, `/v1/advice`.
     Admin,
     /// `/metrics`, `/v1/alerts`.
     Metrics,
@@ -41,6 +41,8 @@ pub fn class(path: &str) -> Class {
         }
         "/metrics" | "/v1/alerts" => Class::Metrics,
         p if p.starts_with("/v1/tenants/") => Class::Caller,
+        // The advice carries the config file's text: who may read it is who may reload it.
+        "/v1/advice" => Class::Admin,
         p if p.starts_with("/v1/admin/") => Class::Admin,
         _ => Class::Open,
     }

@@ -167,6 +167,8 @@ pub struct Head {
     pub edge: Option<Box<HeaderMap>>,
     /// `Authorization`, as sent (a reference-counted copy), for [`super::auth`].
     pub authorization: Option<HeaderValue>,
+    /// The query string, for the routes that read one only (see [`super::service`]).
+    pub query: Option<Box<str>>,
 }
 
 /// Looked up by a ready name: by a `&str` the map would parse and validate the name on every call.
@@ -180,6 +182,7 @@ impl Head {
         traceparent: None,
         edge: None,
         authorization: None,
+        query: None,
     };
 
     /// Reads the headers; `traceparent` only when `traced` (spans are exported).
@@ -197,6 +200,7 @@ impl Head {
                 .flatten(),
             edge: None,
             authorization: headers.get(AUTHORIZATION).cloned(),
+            query: None,
         }
     }
 }

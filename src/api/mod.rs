@@ -12,6 +12,7 @@
 //! checks and its answer; what several routes read alike is in `fields.rs`.
 
 pub mod admit;
+pub mod advice;
 pub mod auth;
 pub mod body;
 pub mod edge;
@@ -147,6 +148,8 @@ where
         // The edge check reads many headers, some named by the config: it gets a copy of them all.
         if edge::is_edge_path(req.uri().path()) || req.uri().path() == edge_answer::PATH {
             head.edge = Some(Box::new(req.headers().clone()));
+        } else if req.uri().path() == advice::PATH {
+            head.query = req.uri().query().map(Into::into);
         }
         WithHead {
             head: Some(head),
@@ -296,6 +299,7 @@ where
             Box::pin(reload::reload_answer(app)).await
         }
         // Any method: Envoy's ext_authz sends the original request's.
+        advice::PATH if get => Box::pin(advice::advice(app, head.query.as_deref())).await,
         p if edge::is_edge_path(p) => {
             // Envoy's with_request_body sends the original body along; nginx's subrequest none.
             // One over the limit is answered as if absent: the refusal is then plain.
@@ -315,7 +319,7 @@ where
             let allow = match p {
                 "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/admin/reload"
                 | "/v1/tasks/poll" | "/v1/renew" => Some("POST"),
-                "/healthz" | "/readyz" => Some("GET, HEAD"),
+                "/healthz" | "/readyz" | advice::PATH => Some("GET, HEAD"),
                 "/v1/edge/refusal" => Some("GET, POST, DELETE, HEAD"),
                 "/metrics" if app.metrics.is_some() => Some("GET, HEAD"),
                 "/v1/alerts" if app.alerts.is_some() => Some("GET, HEAD"),

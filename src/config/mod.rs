@@ -18,6 +18,7 @@
 //! [`Config`], and a `Validator` method that checks it with the shared helpers (`rate`, `duration`,
 //! `count`, `err`) and is called from `Validator::config`.
 
+mod advice;
 mod edge;
 mod lint;
 pub mod listen;
@@ -34,6 +35,7 @@ use std::fmt;
 use std::path::Path;
 
 pub use crate::names::check_name;
+pub use advice::AdviceConfig;
 pub use edge::{ApiKey, EdgeConfig, JwtConfig, JwtKeys, Secret};
 pub use lint::near_misses;
 pub use listen::{ListenAddr, SocketOptions};

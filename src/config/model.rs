@@ -329,6 +329,8 @@ pub struct Config {
     pub store: super::store::StoreConfig,
     /// `[tasks]`: long-running calls answered as MCP tasks.
     pub tasks: super::TasksConfig,
+    /// `[advice]`: the traffic kept for `GET /v1/advice`.
+    pub advice: super::AdviceConfig,
 }
 
 /// `[tenants.NAME]`.
@@ -409,6 +411,7 @@ impl Default for Config {
             overload: Default::default(),
             store: super::store::StoreConfig::default(),
             tasks: Default::default(),
+            advice: super::AdviceConfig::default(),
         }
     }
 }

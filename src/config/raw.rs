@@ -98,6 +98,7 @@ pub(super) struct RawConfig {
     pub(super) overload: Option<super::state::RawOverload>,
     pub(super) store: Option<super::store::RawStore>,
     pub(super) tasks: Option<super::tasks::RawTasks>,
+    pub(super) advice: Option<super::advice::RawAdvice>,
 }
 
 #[derive(Deserialize, Default)]

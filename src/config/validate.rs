@@ -436,6 +436,9 @@ impl Validator<'_> {
         if let Some(t) = raw.tasks {
             first.note(self.tasks(t, &mut cfg.tasks));
         }
+        if let Some(a) = raw.advice {
+            first.note(self.advice(a, &mut cfg.advice));
+        }
 
         first.or(cfg)
     }

@@ -706,6 +706,7 @@ mod tests {
             retry_after_ms: 1500,
             decision_ns: 30_000,
             call_id: None,
+            lease: 0,
             span: None,
         })
     }

@@ -14,6 +14,7 @@
 //! reader waits for that, never an admission: a worker hands its batch over between two requests, as
 //! it does every 10 ms anyway.
 
+pub mod advice;
 pub mod alerts;
 pub mod histogram;
 pub mod labels;
@@ -133,6 +134,9 @@ pub struct DecisionEvent {
     /// Time from request parsed to answer ready, excluding deliberate holds.
     pub decision_ns: u64,
     pub call_id: Option<String>,
+    /// The lease number of an admitted call (also admitted in shadow mode); meaningless for a
+    /// shed call. The advice recording pairs the release with its call by it.
+    pub lease: u64,
     /// What only spans read; `None` unless spans are exported. Every admission's event is copied
     /// into a batch and read again on the telemetry thread, so fields most events leave empty stay
     /// out of line.
@@ -288,6 +292,8 @@ pub struct Telemetry {
     dropped: Arc<AtomicU64>,
     metrics: Option<Addr<metrics::MetricsActor>>,
     alerts: Option<Addr<alerts::AlertActor>>,
+    /// Keeps the recording `GET /v1/advice` reads (`[advice] enabled`).
+    advice: Option<Addr<advice::AdviceActor>>,
     /// Decides subjects' metric labels; the tenant actors ask it (none when metrics are off).
     labels: Option<Arc<labels::SubjectLabels>>,
     traces: bool,
@@ -454,7 +460,23 @@ impl Telemetry {
     /// Whether a release is worth an event: a release has a span, and metrics count an upstream
     /// status or a tool duration (`counted`); a bare release is neither.
     pub fn wants_release(&self, counted: bool) -> bool {
-        !self.sinks.is_empty() && (self.traces || counted)
+        !self.sinks.is_empty() && (self.traces || counted || self.advice.is_some())
+    }
+
+    /// Whether calls are recorded for `GET /v1/advice`.
+    pub fn records_advice(&self) -> bool {
+        self.advice.is_some()
+    }
+
+    /// The calls of the last `over_ms` milliseconds, every decision answered before this call
+    /// included (see [`Telemetry::settle`]); `None` when nothing is recorded.
+    pub async fn advice_period(&self, over_ms: u64) -> Option<crate::advice::Period> {
+        let advice = self.advice.as_ref()?;
+        self.settle().await;
+        tokio::time::timeout(SETTLE_TIMEOUT, advice.send(advice::TakePeriod { over_ms }))
+            .await
+            .ok()?
+            .ok()
     }
 
     pub fn release(&self, ev: ReleaseEvent) {
@@ -504,6 +526,9 @@ impl Telemetry {
         }
         if let Some(a) = &self.alerts {
             a.do_send(alerts::SetAlerts(cfg.alerts.clone()));
+        }
+        if let Some(a) = &self.advice {
+            a.do_send(advice::SetBudget(cfg.advice.clone()));
         }
     }
 }
@@ -584,6 +609,16 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
             settle: Some(alerts_addr.clone().recipient()),
         },
     ];
+    let advice_addr = cfg.advice.enabled.then(|| {
+        let actor = advice::AdviceActor::new(&cfg.advice, clock.clone());
+        advice::AdviceActor::start_in_arbiter(&h, move |_| actor)
+    });
+    if let Some(a) = &advice_addr {
+        sinks.push(Sink {
+            recipient: a.clone().recipient(),
+            settle: Some(a.clone().recipient()),
+        });
+    }
     if let (Some(exporter), Some(otlp)) = (&span_exporter, &cfg.telemetry.otlp) {
         let actor = spans::SpanActor::new(exporter, otlp, clock.clone(), cfg.server.lease_ttl);
         let spans_addr = spans::SpanActor::start_in_arbiter(&h, move |_| actor);
@@ -597,6 +632,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         dropped: Arc::new(AtomicU64::new(0)),
         metrics: Some(metrics_addr),
         alerts: Some(alerts_addr),
+        advice: advice_addr,
         labels: Some(Arc::new(labels::SubjectLabels::new(
             cfg.telemetry.max_subjects_per_tenant,
             cfg.telemetry.max_subjects_total,

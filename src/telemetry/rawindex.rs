@@ -252,6 +252,7 @@ mod tests {
             retry_after_ms: 0,
             decision_ns: 0,
             call_id: None,
+            lease: 0,
             span: None,
         }
     }

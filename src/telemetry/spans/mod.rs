@@ -372,6 +372,7 @@ mod tests {
             retry_after_ms: if kind == DecisionKind::Shed { 1500 } else { 0 },
             decision_ns: 40_000,
             call_id: Some("c-1".into()),
+            lease: 0,
             span: Some(Box::new(crate::telemetry::SpanFields {
                 traceparent: None,
                 lease,
