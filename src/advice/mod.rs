@@ -131,3 +131,6 @@ pub fn advise(
         notes,
     })
 }
+
+#[cfg(test)]
+mod tests;
