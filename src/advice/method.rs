@@ -277,11 +277,13 @@ fn propose(shapes: &[Shape], what: &str, concurrency: bool) -> Option<Proposed> 
             let call_rates = sorted(busy.iter().map(|s| s.call_rate).collect());
             let call_rate = 2.0 * percentile(&call_rates, 0.95);
             let little = call_rate * p95_duration_s;
-            let c = p95_inflight.max(little).ceil().max(1.0);
+            // Never below the burst: calls the bucket lets through at once must not be refused
+            // for running at once.
+            let c = p95_inflight.max(little).max(burst).ceil().max(1.0);
             from.insert(
                 "concurrency",
                 format!(
-                    "the larger of the 95th percentile of {n} {what}' most calls in flight ({}) and 2 x the 95th percentile call rate ({}/s) x the 95th percentile duration ({} ms)",
+                    "the largest of the 95th percentile of {n} {what}' most calls in flight ({}), 2 x the 95th percentile call rate ({}/s) x the 95th percentile duration ({} ms), and the burst",
                     fmt(p95_inflight),
                     fmt(call_rate / 2.0),
                     fmt(p95_duration_s * 1000.0)

@@ -93,23 +93,38 @@ fn ordinary_agents_set_the_numbers_and_a_runaway_does_not() {
 }
 
 #[test]
-fn the_replay_names_the_ordinary_agents_under_a_tight_config_and_only_the_runaway_under_the_proposal() {
+fn the_replay_names_the_ordinary_agents_under_a_tight_config_and_only_the_runaway_under_the_proposal(
+) {
     let mut r = Recording::new(budget(), T0);
     traffic(&mut r, 20);
     let end = T0 + 20 * NS_PER_SEC;
     let p = r.period(15_000, end);
     let cfg = Config::parse("tight.toml", TOO_TIGHT).unwrap();
     let a = advise(&p, &cfg, TOO_TIGHT, 1_800_000_000_000).unwrap();
-    let current: Vec<&str> = a.would_shed.current.iter().map(|w| w.subject.as_str()).collect();
+    let current: Vec<&str> = a
+        .would_shed
+        .current
+        .iter()
+        .map(|w| w.subject.as_str())
+        .collect();
     assert_eq!(current.len(), 31, "{current:?}");
     assert_eq!(current[0], "runaway");
-    let proposed: Vec<&str> = a.would_shed.proposed.iter().map(|w| w.subject.as_str()).collect();
+    let proposed: Vec<&str> = a
+        .would_shed
+        .proposed
+        .iter()
+        .map(|w| w.subject.as_str())
+        .collect();
     assert_eq!(proposed, ["runaway"]);
     let runaway = &a.would_shed.proposed[0];
     assert!(runaway.shed > runaway.calls / 2, "{runaway:?}");
     // The toml keeps every key and comment it does not change, and validates.
     assert!(a.toml.contains("# the first guess"), "{}", a.toml);
-    assert!(a.toml.contains("mode = \"shadow\"   # watch first"), "{}", a.toml);
+    assert!(
+        a.toml.contains("mode = \"shadow\"   # watch first"),
+        "{}",
+        a.toml
+    );
     assert!(a.toml.contains("min_calls = 50"), "{}", a.toml);
     assert!(a.toml.contains("rate = \"256/min\""), "{}", a.toml);
     let proposed = Config::parse("proposal", &a.toml).unwrap();
@@ -151,7 +166,9 @@ fn the_memory_bound_holds_with_100_000_distinct_subjects() {
         max_subjects: 1_000,
     };
     let mut r = Recording::new(b, T0);
-    let names: Vec<String> = (0..100_000).map(|i| format!("subject-{i:06}-with-a-longer-name")).collect();
+    let names: Vec<String> = (0..100_000)
+        .map(|i| format!("subject-{i:06}-with-a-longer-name"))
+        .collect();
     for (i, n) in names.iter().enumerate() {
         r.record(&call("acme", n, i as u64), T0 + i as u64 * NS_PER_MS);
     }
@@ -236,7 +253,11 @@ fn replicas_periods_merge_aligned_at_their_ends() {
     let m = Period::merge(&[pa, pb]);
     assert_eq!(m.over_ms, 10_000);
     assert!(m.is_consistent());
-    let at: Vec<(u64, &str)> = m.calls.iter().map(|c| (c.at_ms(), m.name(c.subject()))).collect();
+    let at: Vec<(u64, &str)> = m
+        .calls
+        .iter()
+        .map(|c| (c.at_ms(), m.name(c.subject())))
+        .collect();
     assert_eq!(at, [(8_000, "y"), (9_000, "x")]);
     // It travels as JSON and back unchanged.
     let back: Period = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
@@ -256,7 +277,8 @@ fn no_traffic_proposes_nothing_and_keeps_the_config() {
 
 #[test]
 fn the_proposal_goes_into_inline_tables_and_new_sections_alike() {
-    let text = "limits = { subject = { rate = \"1/s\", burst = 1 } }\n[tools.\"odd.name\"]\ncost = 2\n";
+    let text =
+        "limits = { subject = { rate = \"1/s\", burst = 1 } }\n[tools.\"odd.name\"]\ncost = 2\n";
     let mut r = Recording::new(budget(), T0);
     for i in 0..10 {
         let mut s = call("acme", "a", i);
