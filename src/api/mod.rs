@@ -299,7 +299,7 @@ where
             Box::pin(reload::reload_answer(app)).await
         }
         // Any method: Envoy's ext_authz sends the original request's.
-        advice::PATH if get => Box::pin(advice::advice(app, head.query.as_deref())).await,
+        "/v1/advice" if get => Box::pin(advice::advice(app, head.query.as_deref())).await,
         p if edge::is_edge_path(p) => {
             // Envoy's with_request_body sends the original body along; nginx's subrequest none.
             // One over the limit is answered as if absent: the refusal is then plain.
@@ -319,7 +319,7 @@ where
             let allow = match p {
                 "/v1/admit" | "/v1/release" | "/v1/feedback" | "/v1/admin/reload"
                 | "/v1/tasks/poll" | "/v1/renew" => Some("POST"),
-                "/healthz" | "/readyz" | advice::PATH => Some("GET, HEAD"),
+                "/healthz" | "/readyz" | "/v1/advice" => Some("GET, HEAD"),
                 "/v1/edge/refusal" => Some("GET, POST, DELETE, HEAD"),
                 "/metrics" if app.metrics.is_some() => Some("GET, HEAD"),
                 "/v1/alerts" if app.alerts.is_some() => Some("GET, HEAD"),
