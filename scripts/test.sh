@@ -103,6 +103,8 @@ python3 scripts/docs.py snippets --check
 python3 scripts/docs.py links
 # README's curl walk-through, regenerated from the daemon built above; fails with a diff when stale.
 ADMITD_BIN=target/debug/admitd python3 scripts/walkthrough.py --check
+# The worked example of docs/operations.md ("Limits from observed traffic"), from a real run; numbers masked.
+ADMITD_BIN=target/debug/admitd python3 scripts/advice_example.py --check
 
 echo "== operator artifacts"
 bash tests/ops/check_ops.sh

@@ -106,7 +106,7 @@ fn advice_proposes_the_ordinary_numbers_and_names_only_the_runaway_under_them() 
         subject["from"]["rate"]
             .as_str()
             .unwrap()
-            .contains("31 subjects"),
+            .contains("of 31 subjects"),
         "{subject}"
     );
 
@@ -203,7 +203,7 @@ fn advise_merges_the_recordings_of_several_replicas() {
     ]);
     assert!(ok, "{err}");
     assert!(out.contains("admitd advise: 12 calls"), "{out}");
-    assert!(out.contains("of 5 subjects' rates"), "{out}");
+    assert!(out.contains("the rates of 5 subjects"), "{out}");
     assert!(out.contains("merged from 2 replicas"), "{out}");
     // A daemon that is not there is an error, not a hang.
     let (ok, _, err) = cli(&[

@@ -233,7 +233,7 @@ fn propose(shapes: &[Shape], what: &str, concurrency: bool) -> Option<Proposed> 
     from.insert(
         "rate",
         format!(
-            "2 x the 95th percentile of {n} {what}' rates ({}/s; median {}/s, most {}/s)",
+            "2 x the 95th percentile of the rates of {n} {what} ({}/s; median {}/s, most {}/s)",
             fmt(p95_rate),
             fmt(percentile(&rates, 0.5)),
             fmt(rates[n - 1])
@@ -247,13 +247,13 @@ fn propose(shapes: &[Shape], what: &str, concurrency: bool) -> Option<Proposed> 
         "burst",
         if largest_call > p95_burst {
             format!(
-                "the largest single call ({}), above the 95th percentile of {n} {what}' largest bursts ({})",
+                "the largest single call ({}), above the 95th percentile of the largest bursts of {n} {what} ({})",
                 fmt(largest_call),
                 fmt(p95_burst)
             )
         } else {
             format!(
-                "the 95th percentile of {n} {what}' largest bursts in one second ({}; most {})",
+                "the 95th percentile of the largest bursts in one second of {n} {what} ({}; most {})",
                 fmt(p95_burst),
                 fmt(bursts[n - 1])
             )
@@ -283,7 +283,7 @@ fn propose(shapes: &[Shape], what: &str, concurrency: bool) -> Option<Proposed> 
             from.insert(
                 "concurrency",
                 format!(
-                    "the largest of the 95th percentile of {n} {what}' most calls in flight ({}), 2 x the 95th percentile call rate ({}/s) x the 95th percentile duration ({} ms), and the burst",
+                    "the largest of: the 95th percentile of the most calls in flight of {n} {what} ({}); 2 x the 95th percentile call rate ({}/s) x the 95th percentile duration ({} ms); the burst",
                     fmt(p95_inflight),
                     fmt(call_rate / 2.0),
                     fmt(p95_duration_s * 1000.0)
@@ -434,7 +434,7 @@ pub fn run(period: &Period, cfg: &Config) -> Method {
         }
         let pairs = group(calls.iter().copied(), |c| Some((c.tenant(), c.subject())));
         let s = shapes(&pairs, over);
-        if let Some(p) = propose(&s, &format!("subjects' calls of {name}"), false) {
+        if let Some(p) = propose(&s, &format!("subjects calling {name}"), false) {
             m.proposal.tools.insert(name.to_string(), p);
         }
         m.observed.insert(format!("tool:{name}"), observed(&s));
@@ -459,11 +459,11 @@ pub fn run(period: &Period, cfg: &Config) -> Method {
             continue;
         }
         let what = if shared {
-            "(shared) budgets"
+            "callers of the shared"
         } else {
-            "tenants' budgets"
+            "tenants calling"
         };
-        if let Some(p) = propose(&s, &format!("{name} {what}"), false) {
+        if let Some(p) = propose(&s, &format!("{what} {name}"), false) {
             m.proposal.upstreams.insert(name.to_string(), p);
         }
     }

@@ -79,7 +79,7 @@ fn ordinary_agents_set_the_numbers_and_a_runaway_does_not() {
     assert_eq!(s.burst, 4, "{s:?}");
     // 4 in flight at most (a burst of 4, each released after 50 ms).
     assert_eq!(s.concurrency, Some(4), "{s:?}");
-    assert!(s.from["rate"].contains("31 subjects"), "{s:?}");
+    assert!(s.from["rate"].contains("of 31 subjects"), "{s:?}");
     let observed = &m.observed["subject"];
     assert_eq!(observed.keys, 31);
     assert!((observed.rate_per_s.max - 20.0).abs() < 0.2, "{observed:?}");

@@ -77,6 +77,10 @@ pub async fn reload(
     if new.store != running.store {
         restart.push("store");
     }
+    // The recording is started (or not) with the telemetry; its budget is applied on reload.
+    if new.advice.enabled != running.advice.enabled {
+        restart.push("advice.enabled");
+    }
     global
         .send(Reconfigure(new))
         .await
