@@ -64,7 +64,7 @@ class Mismatch(Exception):
 
 
 def binary() -> str:
-    b = os.environ.get("ADMITD_BIN") or os.path.join(ROOT, "target", "debug", "admitd")
+    b = os.path.abspath(os.environ.get("ADMITD_BIN") or os.path.join(ROOT, "target", "debug", "admitd"))
     if not os.path.exists(b):
         subprocess.run(["cargo", "build"], cwd=ROOT, check=True)
     return b
