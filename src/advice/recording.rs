@@ -148,7 +148,7 @@ impl Names {
             }
             return id;
         }
-        if self.live >= self.cap && !self.sweep(oldest_ms) {
+        if self.live >= self.cap && !self.sweep(oldest_ms, now_ms) {
             return 0;
         }
         let entry = Entry {
@@ -178,7 +178,7 @@ impl Names {
     }
 
     /// Drops the names no kept call refers to; whether that made room.
-    fn sweep(&mut self, oldest_ms: u64) -> bool {
+    fn sweep(&mut self, oldest_ms: u64, now_ms: u64) -> bool {
         if oldest_ms < self.no_sweep_before {
             return false;
         }
@@ -199,8 +199,13 @@ impl Names {
         let entries = &self.entries;
         self.index.retain(|id| entries[*id as usize].live);
         // Nothing can be dropped until the oldest kept call is newer than the least recently used
-        // name: until then a full table folds new names without scanning again.
-        self.no_sweep_before = earliest.saturating_add(1);
+        // name: until then a full table folds new names without scanning again. And a scan frees
+        // a worthwhile share or waits: at most 16 scans while the kept calls turn over once, so a
+        // table churned by many subjects costs a bounded share of the calls.
+        let span = now_ms.saturating_sub(oldest_ms.min(now_ms));
+        self.no_sweep_before = earliest
+            .saturating_add(1)
+            .max(oldest_ms.saturating_add((span / 16).max(1000)));
         self.live < self.cap
     }
 
@@ -371,12 +376,25 @@ impl Recording {
         });
         if let Some(lease) = s.lease {
             if self.open.len() >= MAX_OPEN {
-                let first = self.first_seq;
-                self.open.retain(|_, seq| *seq >= first);
+                self.forget_oldest_leases();
             }
-            if self.open.len() < MAX_OPEN {
-                self.open.insert((tenant, lease), seq);
-            }
+            self.open.insert((tenant, lease), seq);
+        }
+    }
+
+    /// Makes room among the open leases: those whose call is no longer kept go, and if that is
+    /// not a quarter of them, the older half goes too (a lease that old was most likely never
+    /// released and expired). Its call then keeps no end, as if never released. Each scan frees a
+    /// quarter at least, so its cost spreads over the calls that fill that room again.
+    fn forget_oldest_leases(&mut self) {
+        let first = self.first_seq;
+        self.open.retain(|_, seq| *seq >= first);
+        if self.open.len() > MAX_OPEN / 4 * 3 {
+            let mut seqs: Vec<u64> = self.open.values().copied().collect();
+            let mid = seqs.len() / 2;
+            let (_, median, _) = seqs.select_nth_unstable(mid);
+            let median = *median;
+            self.open.retain(|_, seq| *seq >= median);
         }
     }
 
@@ -450,6 +468,11 @@ impl Recording {
             names,
             calls,
         }
+    }
+
+    /// Leases whose release is awaited.
+    pub fn open_leases(&self) -> usize {
+        self.open.len()
     }
 
     /// Calls kept now.

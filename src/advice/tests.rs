@@ -294,3 +294,18 @@ fn the_proposal_goes_into_inline_tables_and_new_sections_alike() {
     assert!(cfg.tools["odd.name"].bucket.is_some(), "{out}");
     assert!(cfg.upstreams.contains_key("warehouse"), "{out}");
 }
+
+#[test]
+fn leases_never_released_do_not_grow_the_open_table_past_its_bound() {
+    use super::recording::MAX_OPEN;
+    let mut r = Recording::new(budget(), T0);
+    let n = MAX_OPEN as u64 * 3;
+    for i in 0..n {
+        r.record(&call("acme", "a", i), T0 + i * 1_000);
+    }
+    assert!(r.open_leases() <= MAX_OPEN, "{}", r.open_leases());
+    // The latest leases are still found.
+    r.release("acme", n - 1, Some(7), T0 + n * 1_000 + 5 * NS_PER_MS);
+    let p = r.period(10_000, T0 + n * 1_000 + 6 * NS_PER_MS);
+    assert_eq!(p.calls.last().unwrap().duration_ms(), Some(7));
+}

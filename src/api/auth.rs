@@ -149,7 +149,11 @@ mod tests {
         assert_eq!(class("/v1/tasks/poll"), Class::Caller);
         assert_eq!(class("/v1/renew"), Class::Caller);
         assert_eq!(class("/v1/admin/reload"), Class::Admin);
-        assert_eq!(class("/v1/advice"), Class::Admin, "it carries the config file");
+        assert_eq!(
+            class("/v1/advice"),
+            Class::Admin,
+            "it carries the config file"
+        );
         assert_eq!(class("/metrics"), Class::Metrics);
         assert_eq!(class("/v1/alerts"), Class::Metrics);
         assert_eq!(class("/healthz"), Class::Open);
