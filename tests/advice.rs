@@ -177,18 +177,32 @@ fn advice_is_an_admin_route_and_refuses_bad_queries() {
 }
 
 #[test]
-fn advise_merges_the_recordings_of_several_replicas() {
-    let a = Daemon::start(&with_admin(TOO_TIGHT));
-    let b = Daemon::start(&with_admin(TOO_TIGHT));
+fn replicas_of_one_store_each_advise_from_what_they_saw_and_advise_merges_them() {
+    let redis = common::redis::RedisServer::start();
+    let config = with_admin(&format!(
+        "{TOO_TIGHT}\n[store]\nkind = \"redis\"\nurl = \"{}\"\n",
+        redis.url()
+    ));
+    let a = Daemon::start(&config);
+    let b = Daemon::start(&config);
     let client = reqwest::blocking::Client::new();
     for i in 0..6 {
         call(&client, &a, &format!("on-a-{}", i % 2), 10);
         call(&client, &b, &format!("on-b-{}", i % 3), 10);
     }
+    let (status, one) = get_admin(&a, "/v1/advice?over=1m");
+    assert_eq!(status, 200, "{one}");
+    assert_eq!(one["calls"], 6, "{one}");
+    let notes = one["notes"].to_string();
+    assert!(
+        notes.contains("advises from the calls it decided itself"),
+        "{notes}"
+    );
     let (status, raw) = get_admin(&a, "/v1/advice?over=1m&format=raw");
     assert_eq!(status, 200, "{raw}");
     assert_eq!(raw["format"], "admitd-recording/1");
     assert_eq!(raw["period"]["calls"].as_array().unwrap().len(), 6, "{raw}");
+    assert!(raw["config"].as_str().unwrap().contains("kind = \"redis\""));
     let urls = [format!("http://{}", a.addr), format!("http://{}", b.addr)];
     let (ok, out, err) = cli(&[
         "advise",
@@ -205,6 +219,7 @@ fn advise_merges_the_recordings_of_several_replicas() {
     assert!(out.contains("admitd advise: 12 calls"), "{out}");
     assert!(out.contains("the rates of 5 subjects"), "{out}");
     assert!(out.contains("merged from 2 replicas"), "{out}");
+    assert!(out.contains("[store]\nkind = \"redis\""), "{out}");
     // A daemon that is not there is an error, not a hang.
     let (ok, _, err) = cli(&[
         "advise",

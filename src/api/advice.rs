@@ -15,7 +15,7 @@ use warp::reply::Response;
 
 use super::{json, ApiError, App};
 use crate::advice::Period;
-use crate::config::{parse_duration, Config};
+use crate::config::{parse_duration, Config, StoreKind};
 
 pub const PATH: &str = "/v1/advice";
 
@@ -36,6 +36,9 @@ pub struct Raw {
 }
 
 pub const RAW_FORMAT: &str = "admitd-recording/1";
+
+/// Said with every advice of a replica that shares its limits through a store.
+pub const SHARED_STORE_NOTE: &str = "this replica advises from the calls it decided itself; the limits are shared with the other replicas of the store, so run admitd advise with every replica's --url to merge what all of them saw";
 
 /// The query: `over` and `format`.
 #[derive(Debug, PartialEq)]
@@ -129,12 +132,16 @@ pub async fn advice(app: &Arc<App>, query: Option<&str>) -> Result<Response, Api
             },
         ));
     }
-    let advice = tokio::task::spawn_blocking(move || {
+    let shared_store = cfg.store.kind == StoreKind::Redis;
+    let mut advice = tokio::task::spawn_blocking(move || {
         crate::advice::advise(&period, &cfg, &text, end_unix_ms)
     })
     .await
     .map_err(|e| internal(format!("the advice failed: {e}")))?
     .map_err(internal)?;
+    if shared_store {
+        advice.notes.push(SHARED_STORE_NOTE.into());
+    }
     Ok(json(StatusCode::OK, &advice))
 }
 
