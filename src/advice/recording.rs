@@ -12,11 +12,11 @@
 //!   [`MAX_NAMES`] tools and upstreams, each a name of at most 128 bytes plus about 40 bytes.
 //!   A name leaves once no kept call refers to it (idle subjects fall out of the period); past a
 //!   cap, new names fold into `__other__`, as metric labels do.
-//! - releases: the leases still open, to date their end, at most [`MAX_OPEN`] (16 bytes each plus
-//!   the table's overhead).
+//! - releases: the leases still open, to date their end, at most [`MAX_OPEN`] (about 50 bytes
+//!   each with the table's overhead: 3.2 MB).
 //!
 //! With the defaults (500 000 calls, 10 000 subjects) that is at most 16 MB of calls, about 4 MB of
-//! names and 2 MB of open leases.
+//! names and 3.2 MB of open leases.
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
@@ -364,6 +364,15 @@ impl Recording {
             self.upstreams.intern(0, u, now_ms, oldest) as u16
         });
         let seq = self.first_seq + self.calls.len() as u64;
+        if self.calls.len() == self.calls.capacity() {
+            // Doubling, but never past the budget (a plain push could double past it).
+            let room = self
+                .calls
+                .len()
+                .max(1024)
+                .min(self.budget.max_calls - self.calls.len());
+            self.calls.reserve_exact(room.max(1));
+        }
         self.calls.push_back(Call {
             at_ms: now_ms,
             tenant,
