@@ -95,6 +95,9 @@ struct Names {
     cap: usize,
     /// A sweep before the oldest kept call is this recent frees nothing.
     no_sweep_before: u64,
+    /// The id found last: consecutive calls often name the same tool, upstream or tenant, and a
+    /// comparison costs less than hashing.
+    last: u32,
 }
 
 struct Entry {
@@ -115,6 +118,7 @@ impl Names {
             live: 0,
             cap: cap.max(1),
             no_sweep_before: 0,
+            last: 0,
         };
         n.entries.push(Entry {
             scope: 0,
@@ -142,7 +146,13 @@ impl Names {
     /// The id of `name` in `scope`, used at `now_ms`; a new name past the cap is [`OTHER`] (0),
     /// unless names no kept call refers to (last used before `oldest_ms`) can make room.
     fn intern(&mut self, scope: u32, name: &str, now_ms: u64, oldest_ms: u64) -> u32 {
+        let last = &mut self.entries[self.last as usize];
+        if self.last != 0 && last.live && last.scope == scope && *last.name == *name {
+            last.last_ms = now_ms;
+            return self.last;
+        }
         if let Some(id) = self.find(scope, name) {
+            self.last = id;
             if let Some(e) = self.entries.get_mut(id as usize).filter(|_| id != 0) {
                 e.last_ms = now_ms;
             }

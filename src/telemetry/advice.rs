@@ -1,49 +1,41 @@
-//! The advice sink: the telemetry actor that keeps the [`Recording`] `GET /v1/advice` reads.
+//! The advice recorder: the [`Recording`] `GET /v1/advice` reads, kept by the metrics actor.
 //!
-//! It receives the same batches of decision and release events as the metrics actor, on the
-//! telemetry thread, so recording adds nothing to an admission but one more `try_send` per batch
-//! (a full mailbox drops the batch and counts it, as for every sink). Calls are dated when their
-//! batch arrives: within the 10 ms a worker collects events before handing them over, which is
-//! well inside the one-second windows the method looks at.
+//! It reads the batches of decision and release events the metrics actor already receives, on the
+//! telemetry thread, in the same pass: recording adds nothing to an admission, and no mailbox,
+//! wake-up or actor of its own to the telemetry thread (an actor of its own cost about 2 000
+//! instructions per admission at a few hundred a second, mostly in handing it the batches;
+//! docs/BENCHMARKS.md). Calls are dated when their batch arrives: within the 10 ms a worker
+//! collects events before handing them over, well inside the one-second windows the method looks
+//! at.
 
 use std::sync::Arc;
 
 use actix::prelude::*;
 
-use super::{Batch, Event};
+use super::metrics::MetricsActor;
+use super::{DecisionKind, Event};
 use crate::advice::recording::{Budget, Period, Seen};
 use crate::advice::Recording;
 use crate::clock::Clock;
 use crate::config::AdviceConfig;
 
-pub struct AdviceActor {
+pub struct Recorder {
     recording: Recording,
     clock: Arc<dyn Clock>,
 }
 
-impl AdviceActor {
+impl Recorder {
     pub fn new(cfg: &AdviceConfig, clock: Arc<dyn Clock>) -> Self {
-        AdviceActor {
+        Recorder {
             recording: Recording::new(Budget::of(cfg), clock.mono()),
             clock,
         }
     }
-}
 
-impl Actor for AdviceActor {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.set_mailbox_capacity(super::MAILBOX);
-    }
-}
-
-impl Handler<Batch> for AdviceActor {
-    type Result = ();
-
-    fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
+    /// Records a batch's decisions and releases.
+    pub fn record_batch(&mut self, events: &[Event]) {
         let now = self.clock.mono();
-        for ev in batch.0.iter() {
+        for ev in events {
             match ev {
                 Event::Decision(d) => self.recording.record(
                     &Seen {
@@ -52,7 +44,7 @@ impl Handler<Batch> for AdviceActor {
                         tool: &d.tool,
                         upstream: d.upstream.as_deref(),
                         cost: d.cost,
-                        lease: (d.kind != super::DecisionKind::Shed).then_some(d.lease),
+                        lease: (d.kind != DecisionKind::Shed).then_some(d.lease),
                     },
                     now,
                 ),
@@ -66,24 +58,22 @@ impl Handler<Batch> for AdviceActor {
     }
 }
 
-impl Handler<super::Settle> for AdviceActor {
-    type Result = ();
-
-    fn handle(&mut self, _: super::Settle, _: &mut Context<Self>) {}
-}
-
-/// Asks for the calls of the last `over_ms` milliseconds (at most what the recording covers).
+/// Asks for the calls of the last `over_ms` milliseconds (at most what the recording covers);
+/// `None` when nothing is recorded.
 #[derive(Debug, Clone, Copy, Message)]
-#[rtype(result = "Period")]
+#[rtype(result = "Option<Period>")]
 pub struct TakePeriod {
     pub over_ms: u64,
 }
 
-impl Handler<TakePeriod> for AdviceActor {
+impl Handler<TakePeriod> for MetricsActor {
     type Result = MessageResult<TakePeriod>;
 
     fn handle(&mut self, m: TakePeriod, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.recording.period(m.over_ms, self.clock.mono()))
+        MessageResult(self.advice().map(|a| {
+            let now = a.clock.mono();
+            a.recording.period(m.over_ms, now)
+        }))
     }
 }
 
@@ -92,11 +82,13 @@ impl Handler<TakePeriod> for AdviceActor {
 #[rtype(result = "()")]
 pub struct SetBudget(pub AdviceConfig);
 
-impl Handler<SetBudget> for AdviceActor {
+impl Handler<SetBudget> for MetricsActor {
     type Result = ();
 
     fn handle(&mut self, m: SetBudget, _: &mut Context<Self>) {
-        self.recording
-            .set_budget(Budget::of(&m.0), self.clock.mono());
+        if let Some(a) = self.advice() {
+            let now = a.clock.mono();
+            a.recording.set_budget(Budget::of(&m.0), now);
+        }
     }
 }

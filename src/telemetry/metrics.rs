@@ -132,6 +132,8 @@ pub struct MetricsActor {
     penalties: HashMap<Arc<str>, Vec<Arc<str>>>,
     /// Per-tenant upstream rate series set, with their configured rates, to reset them when dropped.
     upstream_rates: HashMap<Arc<str>, Vec<(Arc<str>, f64)>>,
+    /// The advice recording (`[advice] enabled`), fed from the same batches.
+    advice: Option<Box<super::advice::Recorder>>,
 }
 
 /// The gauges a tenant actor's report sets.
@@ -189,7 +191,18 @@ impl MetricsActor {
             tenant_gauges: HashMap::new(),
             penalties: HashMap::new(),
             upstream_rates: HashMap::new(),
+            advice: None,
         }
+    }
+
+    /// Keeps the advice recording too.
+    pub fn with_advice(mut self, recorder: super::advice::Recorder) -> Self {
+        self.advice = Some(Box::new(recorder));
+        self
+    }
+
+    pub(super) fn advice(&mut self) -> Option<&mut super::advice::Recorder> {
+        self.advice.as_deref_mut()
     }
 
     fn upstream_label(&mut self, upstream: Option<&Arc<str>>) -> Arc<str> {
@@ -589,6 +602,9 @@ impl Handler<Batch> for MetricsActor {
 
     fn handle(&mut self, batch: Batch, _: &mut Context<Self>) {
         self.record_batch(&batch.0);
+        if let Some(a) = &mut self.advice {
+            a.record_batch(&batch.0);
+        }
     }
 }
 

@@ -292,8 +292,8 @@ pub struct Telemetry {
     dropped: Arc<AtomicU64>,
     metrics: Option<Addr<metrics::MetricsActor>>,
     alerts: Option<Addr<alerts::AlertActor>>,
-    /// Keeps the recording `GET /v1/advice` reads (`[advice] enabled`).
-    advice: Option<Addr<advice::AdviceActor>>,
+    /// The metrics actor keeps the recording `GET /v1/advice` reads (`[advice] enabled`).
+    advice: bool,
     /// Decides subjects' metric labels; the tenant actors ask it (none when metrics are off).
     labels: Option<Arc<labels::SubjectLabels>>,
     traces: bool,
@@ -460,23 +460,24 @@ impl Telemetry {
     /// Whether a release is worth an event: a release has a span, and metrics count an upstream
     /// status or a tool duration (`counted`); a bare release is neither.
     pub fn wants_release(&self, counted: bool) -> bool {
-        !self.sinks.is_empty() && (self.traces || counted || self.advice.is_some())
+        !self.sinks.is_empty() && (self.traces || counted || self.advice)
     }
 
     /// Whether calls are recorded for `GET /v1/advice`.
     pub fn records_advice(&self) -> bool {
-        self.advice.is_some()
+        self.advice
     }
 
     /// The calls of the last `over_ms` milliseconds, every decision answered before this call
     /// included (see [`Telemetry::settle`]); `None` when nothing is recorded.
     pub async fn advice_period(&self, over_ms: u64) -> Option<crate::advice::Period> {
-        let advice = self.advice.as_ref()?;
+        let metrics = self.metrics.as_ref().filter(|_| self.advice)?;
         self.settle().await;
-        tokio::time::timeout(SETTLE_TIMEOUT, advice.send(advice::TakePeriod { over_ms }))
+        tokio::time::timeout(SETTLE_TIMEOUT, metrics.send(advice::TakePeriod { over_ms }))
             .await
             .ok()?
             .ok()
+            .flatten()
     }
 
     pub fn release(&self, ev: ReleaseEvent) {
@@ -527,8 +528,8 @@ impl Telemetry {
         if let Some(a) = &self.alerts {
             a.do_send(alerts::SetAlerts(cfg.alerts.clone()));
         }
-        if let Some(a) = &self.advice {
-            a.do_send(advice::SetBudget(cfg.advice.clone()));
+        if let (Some(m), true) = (&self.metrics, self.advice) {
+            m.do_send(advice::SetBudget(cfg.advice.clone()));
         }
     }
 }
@@ -591,8 +592,16 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         Arbiter::try_new().map_err(|e| format!("cannot start the telemetry thread: {e}"))?;
     let h = arbiter.handle();
     let (tcfg, mclock, mhist) = (cfg.telemetry.clone(), clock.clone(), histograms.clone());
+    let recorder = cfg
+        .advice
+        .enabled
+        .then(|| advice::Recorder::new(&cfg.advice, clock.clone()));
     let metrics_addr = metrics::MetricsActor::start_in_arbiter(&h, move |_| {
-        metrics::MetricsActor::new(&tcfg, mclock, mhist)
+        let m = metrics::MetricsActor::new(&tcfg, mclock, mhist);
+        match recorder {
+            Some(r) => m.with_advice(r),
+            None => m,
+        }
     });
     let firing: alerts::FiringList = Arc::default();
     let (acfg, aclock, afiring) = (cfg.alerts.clone(), clock.clone(), firing.clone());
@@ -609,16 +618,6 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
             settle: Some(alerts_addr.clone().recipient()),
         },
     ];
-    let advice_addr = cfg.advice.enabled.then(|| {
-        let actor = advice::AdviceActor::new(&cfg.advice, clock.clone());
-        advice::AdviceActor::start_in_arbiter(&h, move |_| actor)
-    });
-    if let Some(a) = &advice_addr {
-        sinks.push(Sink {
-            recipient: a.clone().recipient(),
-            settle: Some(a.clone().recipient()),
-        });
-    }
     if let (Some(exporter), Some(otlp)) = (&span_exporter, &cfg.telemetry.otlp) {
         let actor = spans::SpanActor::new(exporter, otlp, clock.clone(), cfg.server.lease_ttl);
         let spans_addr = spans::SpanActor::start_in_arbiter(&h, move |_| actor);
@@ -632,7 +631,7 @@ pub fn start(cfg: &Config, clock: Arc<dyn Clock>) -> Result<Started, String> {
         dropped: Arc::new(AtomicU64::new(0)),
         metrics: Some(metrics_addr),
         alerts: Some(alerts_addr),
-        advice: advice_addr,
+        advice: cfg.advice.enabled,
         labels: Some(Arc::new(labels::SubjectLabels::new(
             cfg.telemetry.max_subjects_per_tenant,
             cfg.telemetry.max_subjects_total,
