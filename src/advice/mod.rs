@@ -3,8 +3,8 @@
 //! This module owns the whole method as plain code driven by `now` (no actor, no I/O), so every
 //! part is tested with a fake clock:
 //! - [`recording`]: the calls admitd decided, 32 bytes each, in a fixed budget (`[advice]
-//!   max_calls`, `max_subjects`, `keep`; the bound is spelled out in its doc). The advice sink on
-//!   the telemetry thread ([`crate::telemetry::advice`]) feeds it from the decision and release
+//!   max_calls`, `max_subjects`, `keep`; the bound is spelled out in its doc). The metrics actor
+//!   on the telemetry thread ([`crate::telemetry::advice`]) feeds it from the decision and release
 //!   events that leave the admission path anyway, so recording costs the admission nothing it did
 //!   not already do.
 //! - [`method`]: the shape of each key's traffic and the limits proposed from percentiles across

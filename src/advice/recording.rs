@@ -1,7 +1,7 @@
 //! The recording: every call admitd decided over the last `[advice] keep`, as 32 bytes each, and the
 //! names those calls refer to, in a fixed budget.
 //!
-//! Plain data driven by `now` (monotonic nanoseconds), fed by the advice sink on the telemetry
+//! Plain data driven by `now` (monotonic nanoseconds), fed by the metrics actor on the telemetry
 //! thread ([`crate::telemetry::advice`]), never by the admission path itself.
 //!
 //! Memory is bounded by the config, whatever the traffic:
