@@ -304,10 +304,10 @@ fn wrong_methods_are_405_with_the_methods_of_the_spec_and_unknown_routes_404() {
         }
     }
     for unknown in [
-        "/",
+        "/index.html",
         "/v1",
         "/v1/admitx",
-        "/v1/tenants",
+        "/v1/tenant",
         "/v2/admit",
         "/v1/edge/checks",
     ] {

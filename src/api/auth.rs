@@ -6,6 +6,13 @@
 //! digest, so neither the answer's timing nor its text tells a caller how close a guess was. The
 //! answers name no token, digest, address or config value.
 //!
+//! The live view (`GET /v1/tenants` and the status page `GET /`) is guarded like `/metrics`: open
+//! when no metrics token is configured, else the metrics or the admin token shows every tenant, and
+//! a tenant's own credential (an `[edge]` API key or JWT) shows that tenant alone, so a customer
+//! given its own view never sees another tenant's name. Browsers cannot send a bearer token to a
+//! page they open, so the status page also takes the token as the password of HTTP Basic
+//! authentication (any user name).
+//!
 //! `/healthz` and `/readyz` are always open: probes carry no credentials. The admin routes are closed
 //! (403) when no admin token is configured, unless the daemon listens on a Unix socket only, where
 //! the socket file's permissions already decide who can connect. `/v1/edge/check` authenticates its
@@ -30,6 +37,9 @@ pub enum Class {
     Admin,
     /// `/metrics`, `/v1/alerts`.
     Metrics,
+    /// `/v1/tenants` and `/`: checked by the route itself ([`viewer`]), which needs to know whose
+    /// tenants the caller may see.
+    Live,
 }
 
 /// The class of a path (whatever the method: a wrong method is refused only once the caller has
@@ -40,6 +50,7 @@ pub fn class(path: &str) -> Class {
             Class::Caller
         }
         "/metrics" | "/v1/alerts" => Class::Metrics,
+        "/v1/tenants" | "/" => Class::Live,
         p if p.starts_with("/v1/tenants/") => Class::Caller,
         // The advice carries the config file's text: who may read it is who may reload it.
         "/v1/advice" => Class::Admin,
@@ -82,7 +93,7 @@ pub fn check(
     unix_only: bool,
 ) -> Result<(), ApiError> {
     let needed: &[TokenDigest] = match class {
-        Class::Open => return Ok(()),
+        Class::Open | Class::Live => return Ok(()),
         Class::Caller if auth.api_tokens.is_empty() => return Ok(()),
         Class::Caller => &auth.api_tokens,
         Class::Metrics => match &auth.metrics_token {
@@ -108,6 +119,89 @@ pub fn check(
         Some(token) if matches(token, needed) => Ok(()),
         Some(_) => Err(unauthorized("the token is not accepted for this route")),
     }
+}
+
+/// Whose tenants a caller of the live view may see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Viewer {
+    All,
+    /// Only this tenant: the caller showed that tenant's own credential.
+    Tenant(String),
+}
+
+/// The token of an `Authorization` header: a bearer token, or the password of HTTP Basic
+/// authentication (what a browser sends for a page).
+fn bearer_or_basic(header: Option<&HeaderValue>) -> Option<Vec<u8>> {
+    if let Some(t) = bearer(header) {
+        return Some(t.to_vec());
+    }
+    let v = header?.as_bytes();
+    let (scheme, rest) = v.split_at(v.iter().position(|b| *b == b' ')?);
+    if !scheme.eq_ignore_ascii_case(b"basic") {
+        return None;
+    }
+    let decoded = base64_decode(rest.trim_ascii())?;
+    let colon = decoded.iter().position(|b| *b == b':')?;
+    let password = decoded[colon + 1..].to_vec();
+    (!password.is_empty()).then_some(password)
+}
+
+/// Standard base64 with padding (RFC 4648), as HTTP Basic authentication sends it.
+fn base64_decode(s: &[u8]) -> Option<Vec<u8>> {
+    fn value(c: u8) -> Option<u32> {
+        Some(u32::from(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        }))
+    }
+    if s.len() % 4 != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(s.len() / 4 * 3);
+    for chunk in s.chunks(4) {
+        let pad = chunk.iter().rev().take_while(|c| **c == b'=').count();
+        if pad > 2 {
+            return None;
+        }
+        let mut n = 0u32;
+        for c in &chunk[..4 - pad] {
+            n = (n << 6) | value(*c)?;
+        }
+        n <<= 6 * pad as u32;
+        let bytes = n.to_be_bytes();
+        out.extend_from_slice(&bytes[1..4 - pad]);
+    }
+    Some(out)
+}
+
+/// Who may see what of the live view (see the module's doc). `identify` turns a tenant's own
+/// credential into its tenant (the `[edge]` keys), when any are configured.
+pub fn viewer(
+    auth: &ServerAuth,
+    header: Option<&HeaderValue>,
+    identify: impl FnOnce(&str) -> Option<String>,
+) -> Result<Viewer, ApiError> {
+    let Some(metrics) = &auth.metrics_token else {
+        return Ok(Viewer::All);
+    };
+    let Some(token) = bearer_or_basic(header) else {
+        return Err(unauthorized(
+            "this route needs a token: send Authorization: Bearer <token>",
+        ));
+    };
+    let operators: Vec<TokenDigest> = std::iter::once(*metrics).chain(auth.admin_token).collect();
+    if matches(&token, &operators) {
+        return Ok(Viewer::All);
+    }
+    std::str::from_utf8(&token)
+        .ok()
+        .and_then(identify)
+        .map(Viewer::Tenant)
+        .ok_or_else(|| unauthorized("the token is not accepted for this route"))
 }
 
 /// Logs a warning at start when the daemon can be reached from other machines and no caller token
@@ -159,6 +253,8 @@ mod tests {
         assert_eq!(class("/healthz"), Class::Open);
         assert_eq!(class("/readyz"), Class::Open);
         assert_eq!(class("/v1/edge/check"), Class::Open);
+        assert_eq!(class("/v1/tenants"), Class::Live);
+        assert_eq!(class("/"), Class::Live);
     }
 
     #[test]
@@ -224,5 +320,54 @@ mod tests {
             Ok(())
         );
         assert_eq!(check(&a, Class::Open, None, false), Ok(()));
+    }
+
+    fn acme_key(token: &str) -> Option<String> {
+        (token == "acme-key").then(|| "acme".to_string())
+    }
+
+    #[test]
+    fn the_live_view_shows_everything_to_operators_and_a_tenant_only_itself() {
+        let a = ServerAuth {
+            metrics_token: Some(digest("scraper")),
+            ..auth()
+        };
+        for t in ["Bearer scraper", "Bearer the-admin"] {
+            assert_eq!(viewer(&a, Some(&hv(t)), acme_key), Ok(Viewer::All), "{t}");
+        }
+        assert_eq!(
+            viewer(&a, Some(&hv("Bearer acme-key")), acme_key),
+            Ok(Viewer::Tenant("acme".into()))
+        );
+        // A browser's Basic authentication: the token is the password ("admin:scraper").
+        assert_eq!(
+            viewer(&a, Some(&hv("Basic YWRtaW46c2NyYXBlcg==")), acme_key),
+            Ok(Viewer::All)
+        );
+        for t in [
+            "Bearer caller-one",
+            "Bearer nope",
+            "Basic !!!!",
+            "Basic YWRtaW46",
+        ] {
+            let e = viewer(&a, Some(&hv(t)), acme_key).unwrap_err();
+            assert_eq!(e.status, StatusCode::UNAUTHORIZED, "{t}");
+        }
+        assert!(viewer(&a, None, acme_key).is_err());
+        // No metrics token: open, like /metrics.
+        assert_eq!(viewer(&auth(), None, acme_key), Ok(Viewer::All));
+    }
+
+    #[test]
+    fn base64_as_basic_authentication_sends_it() {
+        assert_eq!(
+            base64_decode(b"YWRtaW46c2NyYXBlcg==").unwrap(),
+            b"admin:scraper"
+        );
+        assert_eq!(base64_decode(b"YTpi").unwrap(), b"a:b");
+        assert_eq!(base64_decode(b"YTo=").unwrap(), b"a:");
+        assert_eq!(base64_decode(b"YTo"), None);
+        assert_eq!(base64_decode(b"Y==="), None);
+        assert_eq!(base64_decode(b"YT*="), None);
     }
 }

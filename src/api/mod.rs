@@ -7,8 +7,8 @@
 //! routes behind the headers they read, taken from the request beforehand.
 //!
 //! This file is the router. Each route lives in a file named after it (`admit.rs`, `release.rs`,
-//! `feedback.rs`, `tenant.rs`, `ready.rs`, `reload.rs`, `edge.rs`, `edge_answer.rs` for
-//! `/v1/edge/refusal`, `renew.rs`, `tasks.rs` for MCP task polls), with its body's shape, its
+//! `feedback.rs`, `tenant.rs`, `tenants.rs`, `ready.rs`, `reload.rs`, `edge.rs`, `edge_answer.rs`
+//! for `/v1/edge/refusal`, `renew.rs`, `tasks.rs` for MCP task polls), with its body's shape, its
 //! checks and its answer; what several routes read alike is in `fields.rs`.
 
 pub mod admit;
@@ -32,6 +32,7 @@ pub mod renew;
 pub mod retry_after;
 pub mod tasks;
 pub mod tenant;
+pub mod tenants;
 pub mod unparsed;
 
 use std::cell::Cell;
@@ -148,7 +149,11 @@ where
         // The edge check reads many headers, some named by the config: it gets a copy of them all.
         if edge::is_edge_path(req.uri().path()) || req.uri().path() == edge_answer::PATH {
             head.edge = Some(Box::new(req.headers().clone()));
-        } else if req.uri().path() == advice::PATH {
+        } else if req.uri().path() == advice::PATH
+            || auth::class(req.uri().path()) == auth::Class::Live
+        {
+            // Only the advice and the live view read a query string: other requests do not copy
+            // theirs.
             head.query = req.uri().query().map(Into::into);
         }
         WithHead {
@@ -236,7 +241,23 @@ where
     let post = method == Method::POST;
     let delete = method == Method::DELETE;
     let class = auth::class(path);
-    if class != auth::Class::Open {
+    let mut viewer = auth::Viewer::All;
+    if class == auth::Class::Live {
+        match tenants::viewer(app, &head) {
+            Ok(v) => viewer = v,
+            // A browser asks its user for the token of a page when told Basic.
+            Err(e) => {
+                return Ok(challenge(
+                    e,
+                    if path == "/" {
+                        "Basic realm=\"admitd\""
+                    } else {
+                        "Bearer"
+                    },
+                ))
+            }
+        }
+    } else if class != auth::Class::Open {
         let unix_only = app.shared.started.server.listen.is_unix();
         let checked = auth::check(
             &app.shared.config.load().server.auth,
@@ -245,15 +266,7 @@ where
             unix_only,
         );
         if let Err(e) = checked {
-            let unauthorized = e.status == StatusCode::UNAUTHORIZED;
-            let mut r = e.into_response();
-            if unauthorized {
-                r.headers_mut().insert(
-                    warp::http::header::WWW_AUTHENTICATE,
-                    HeaderValue::from_static("Bearer"),
-                );
-            }
-            return Ok(r);
+            return Ok(challenge(e, "Bearer"));
         }
     }
     match path {
@@ -312,6 +325,7 @@ where
             let bytes = body::read_limited(body).await.unwrap_or_default();
             edge_answer::refusal_route(head.edge.as_deref(), &bytes)
         }
+        "/v1/tenants" if get => Box::pin(tenants::tenants(app, viewer, &head)).await,
         p if get && p.starts_with("/v1/tenants/") => {
             Box::pin(tenant::tenant_snapshot(app, &p["/v1/tenants/".len()..])).await
         }
@@ -323,6 +337,7 @@ where
                 "/v1/edge/refusal" => Some("GET, POST, DELETE, HEAD"),
                 "/metrics" if app.metrics.is_some() => Some("GET, HEAD"),
                 "/v1/alerts" if app.alerts.is_some() => Some("GET, HEAD"),
+                "/v1/tenants" => Some("GET, HEAD"),
                 p if p.starts_with("/v1/tenants/") => Some("GET, HEAD"),
                 _ => None,
             };
@@ -346,6 +361,19 @@ where
             }
         }
     }
+}
+
+/// An authentication failure's answer, with the scheme to authenticate with when it is a 401.
+fn challenge(e: ApiError, scheme: &'static str) -> Response {
+    let unauthorized = e.status == StatusCode::UNAUTHORIZED;
+    let mut r = e.into_response();
+    if unauthorized {
+        r.headers_mut().insert(
+            warp::http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static(scheme),
+        );
+    }
+    r
 }
 
 async fn json_body<S, B>(head: &body::Head, mut body: S) -> Result<bytes::Bytes, ApiError>

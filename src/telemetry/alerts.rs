@@ -51,6 +51,11 @@ impl ShedWindow {
         }
     }
 
+    /// The slots held, oldest first: (slot, admitted, shed). Slots without calls are absent.
+    pub fn slots(&self) -> impl Iterator<Item = (u64, i64, u64)> + '_ {
+        self.slots.iter().copied()
+    }
+
     /// (admitted, shed) in the window ending at `slot`.
     pub fn totals(&mut self, slot: u64) -> (u64, u64) {
         while self.slots.front().is_some_and(|s| s.0 + SLOTS <= slot) {
@@ -64,13 +69,27 @@ impl ShedWindow {
     }
 }
 
+/// One tenant's window and alert state, and what the live view ([`super::live`]) shows beside them.
 #[derive(Debug, Clone, Default)]
-struct TenantAlert {
-    window: ShedWindow,
-    ratio: f64,
-    calls: u64,
+pub(super) struct TenantAlert {
+    pub(super) window: ShedWindow,
+    /// As of the latest evaluation.
+    pub(super) ratio: f64,
+    pub(super) calls: u64,
+    pub(super) admitted: u64,
+    pub(super) shed: u64,
+    /// Calls in flight at the tenant's latest report.
+    pub(super) inflight: u32,
+    pub(super) scopes: super::live::ScopeWindow,
     pending_since: Option<Nanos>,
-    firing_since_ms: Option<i64>,
+    pub(super) firing_since_ms: Option<i64>,
+}
+
+impl TenantAlert {
+    /// Whether the tenant has anything to show in the live view.
+    fn live(&self) -> bool {
+        self.calls > 0 || self.inflight > 0 || self.firing_since_ms.is_some()
+    }
 }
 
 /// A firing alert, as `GET /v1/alerts` lists it.
@@ -117,8 +136,62 @@ impl AlertEvaluator {
     }
 
     fn slot(&self, now: Nanos) -> u64 {
-        let slot_ns = (self.cfg.window.as_nanos() as u64 / SLOTS).max(1);
-        now / slot_ns
+        now / self.slot_ns()
+    }
+
+    fn slot_ns(&self) -> u64 {
+        (self.cfg.window.as_nanos() as u64 / SLOTS).max(1)
+    }
+
+    pub(super) fn slot_of(&self, now: Nanos) -> u64 {
+        self.slot(now)
+    }
+
+    pub(super) fn slot_seconds(&self) -> f64 {
+        self.slot_ns() as f64 / 1e9
+    }
+
+    pub(super) fn window_slots(&self) -> u64 {
+        SLOTS
+    }
+
+    /// The tenants the live view shows.
+    pub(super) fn live_entries(&self) -> impl Iterator<Item = (&Arc<str>, &TenantAlert)> {
+        self.tenants.iter().filter(|(_, t)| t.live())
+    }
+
+    pub(super) fn live_entry_mut(&mut self, tenant: &str) -> Option<&mut TenantAlert> {
+        self.tenants.get_mut(tenant)
+    }
+
+    /// Notes a tenant's calls in flight from its report (a tenant with calls in flight and none
+    /// answered in the window is still shown).
+    pub fn set_inflight(&mut self, tenant: &Arc<str>, inflight: u32) {
+        match self.tenants.get_mut(tenant) {
+            Some(t) => t.inflight = inflight,
+            None if inflight == 0 => {}
+            None => {
+                self.tenants.insert(
+                    tenant.clone(),
+                    TenantAlert {
+                        inflight,
+                        ..TenantAlert::default()
+                    },
+                );
+            }
+        }
+    }
+
+    /// Counts one shed (or shadow-shed) call of `tenant` by its scope, for the live view.
+    pub fn record_shed(&mut self, tenant: &Arc<str>, scope: crate::engine::Scope, now: Nanos) {
+        let slot = self.slot(now);
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            t.scopes.record(slot, scope, SLOTS);
+        } else {
+            let mut t = TenantAlert::default();
+            t.scopes.record(slot, scope, SLOTS);
+            self.tenants.insert(tenant.clone(), t);
+        }
     }
 
     /// Adds a tenant's calls answered since its previous report.
@@ -143,6 +216,7 @@ impl AlertEvaluator {
         let mut changes = Vec::new();
         for (name, t) in &mut self.tenants {
             let (admitted, shed) = t.window.totals(slot);
+            (t.admitted, t.shed) = (admitted, shed);
             t.calls = admitted + shed;
             t.ratio = if t.calls == 0 {
                 0.0
@@ -178,7 +252,7 @@ impl AlertEvaluator {
     /// Forgets tenants with an empty window and no alert.
     pub fn prune(&mut self) {
         self.tenants
-            .retain(|_, t| t.calls > 0 || t.firing_since_ms.is_some());
+            .retain(|_, t| t.calls > 0 || t.firing_since_ms.is_some() || t.inflight > 0);
     }
 
     pub fn firing(&self) -> Vec<FiringAlert> {
@@ -280,12 +354,27 @@ impl AlertActor {
     fn record_batch(&mut self, events: &[Event]) {
         let now = self.clock.mono();
         for ev in events {
-            if let Event::Tenant(t) = ev {
-                if let TenantEvent::Gauges { tenant, calls, .. }
-                | TenantEvent::Calls { tenant, calls } = &**t
-                {
-                    self.evaluator.record(tenant, *calls, now);
+            match ev {
+                Event::Tenant(t) => match &**t {
+                    TenantEvent::Gauges {
+                        tenant,
+                        calls,
+                        gauges,
+                    } => {
+                        self.evaluator.record(tenant, *calls, now);
+                        self.evaluator.set_inflight(tenant, gauges.inflight);
+                    }
+                    TenantEvent::Calls { tenant, calls } => {
+                        self.evaluator.record(tenant, *calls, now);
+                    }
+                    _ => {}
+                },
+                Event::Decision(d) => {
+                    if let Some(scope) = d.scope {
+                        self.evaluator.record_shed(&d.tenant, scope, now);
+                    }
                 }
+                _ => {}
             }
         }
     }
@@ -328,6 +417,12 @@ impl AlertActor {
         self.exported = seen;
         *self.firing.write() = self.evaluator.firing();
         wall
+    }
+
+    /// One page of the live view, now.
+    pub(super) fn page(&mut self, q: &super::live::TenantsQuery) -> super::live::TenantsPage {
+        let now = self.clock.mono();
+        self.evaluator.page(q, now)
     }
 
     fn tick(&mut self) {

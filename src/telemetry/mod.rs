@@ -18,6 +18,7 @@ pub mod advice;
 pub mod alerts;
 pub mod histogram;
 pub mod labels;
+pub mod live;
 pub mod metrics;
 pub mod names;
 mod rawindex;
@@ -496,6 +497,16 @@ impl Telemetry {
         if !self.sinks.is_empty() {
             self.offer(Event::Tenant(Arc::new(ev)));
         }
+    }
+
+    /// One page of the live view (`GET /v1/tenants`, the status page), from the alert actor's
+    /// per-tenant windows as of the tenants' latest reports; `None` when telemetry is off.
+    pub async fn tenants(&self, q: live::TenantsQuery) -> Option<live::TenantsPage> {
+        let alerts = self.alerts.as_ref()?;
+        tokio::time::timeout(SETTLE_TIMEOUT, alerts.send(q))
+            .await
+            .ok()?
+            .ok()
     }
 
     /// Whether spans are exported (decision events then carry their lease id, for the release's
