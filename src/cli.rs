@@ -1,4 +1,5 @@
-//! The command line: `admitd serve`, `admitd check`, `admitd health` and `admitd advise`.
+//! The command line: `admitd serve`, `admitd check`, `admitd health`, `admitd advise` and
+//! `admitd top`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -63,6 +64,23 @@ pub enum Command {
         /// The admin token (`/v1/advice` is an admin route); defaults to $ADMITD_TOKEN.
         #[arg(long, value_name = "TOKEN")]
         token: Option<String>,
+    },
+    /// A live view of a running daemon, refreshed every second: the tenants most shed first, the
+    /// scope that sheds each, calls in flight, alerts and the store's state (GET /v1/tenants).
+    Top {
+        /// The daemon: `http://HOST:PORT` or `unix:/PATH` (its Unix socket).
+        #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9470")]
+        url: String,
+        /// A file holding the metrics or admin token (or a tenant's own key, which shows that
+        /// tenant only). Without it, the ADMITD_TOKEN environment variable, if set.
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<PathBuf>,
+        /// Print the view once and exit (for scripts).
+        #[arg(long)]
+        once: bool,
+        /// Tenants shown, at most (1 to 1000).
+        #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        limit: u16,
     },
 }
 
@@ -181,6 +199,18 @@ pub fn main() -> ExitCode {
             }
             Err(e) => {
                 eprintln!("admitd health: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Top {
+            url,
+            token_file,
+            once,
+            limit,
+        } => match crate::top::run(&url, token_file, once, usize::from(limit)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("admitd top: {e}");
                 ExitCode::from(1)
             }
         },

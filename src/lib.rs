@@ -25,5 +25,6 @@ pub mod server;
 pub mod state;
 pub mod store;
 pub mod telemetry;
+pub mod top;
 #[cfg(unix)]
 pub mod unix_socket;

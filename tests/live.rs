@@ -172,3 +172,118 @@ fn without_a_metrics_token_the_view_is_open_like_metrics() {
     );
     assert_eq!(names(&v), ["solo"]);
 }
+
+/// `admitd top --once` with these arguments and environment: (exit success, stdout, stderr).
+fn top(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = std::process::Command::new(common::bin())
+        .arg("top")
+        .arg("--once")
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove(if env.is_empty() {
+            "ADMITD_TOKEN"
+        } else {
+            "ADMITD_UNUSED"
+        })
+        .output()
+        .expect("run admitd top");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn top_once_shows_the_looping_tenant_above_the_quiet_one() {
+    let d = Daemon::start(&config());
+    call(&d, "looping", 20, false);
+    call(&d, "quiet", 3, true);
+    let url = format!("http://{}", d.addr);
+    let mut shown = String::new();
+    let ok = eventually(Duration::from_secs(10), || {
+        let (ok, out, err) = top(&["--url", &url], &[("ADMITD_TOKEN", METRICS_TOKEN)]);
+        assert!(ok, "{err}");
+        shown = out;
+        shown.contains("looping") && shown.contains("quiet") && shown.contains("18 ")
+    });
+    assert!(ok, "{shown}");
+    let lines: Vec<&str> = shown.lines().collect();
+    assert!(lines[0].contains("store: memory (ready)"), "{shown}");
+    assert!(
+        lines[0].contains("tenants: 2") && lines[0].contains("alerts firing: 1"),
+        "{shown}"
+    );
+    let looping = lines
+        .iter()
+        .position(|l| l.starts_with("looping "))
+        .unwrap();
+    let quiet = lines.iter().position(|l| l.starts_with("quiet ")).unwrap();
+    assert!(looping < quiet, "{shown}");
+    let cols: Vec<&str> = lines[looping].split_whitespace().collect();
+    assert_eq!(
+        cols[..6],
+        ["looping", "90.0", "2", "18", "subject", "(18)"],
+        "{shown}"
+    );
+    assert_eq!(cols[7], "shed_ratio_high");
+    let cols: Vec<&str> = lines[quiet].split_whitespace().collect();
+    assert_eq!(cols[..5], ["quiet", "0.0", "3", "0", "-"], "{shown}");
+    // The token from a file works as well; no token is an error that says what to do.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("token");
+    std::fs::write(&file, format!("{ADMIN}\n")).unwrap();
+    let (ok, out, err) = top(
+        &["--url", &url, "--token-file", file.to_str().unwrap()],
+        &[],
+    );
+    assert!(ok && out.contains("looping"), "{out}{err}");
+    let (ok, _, err) = top(&["--url", &url], &[]);
+    assert!(!ok);
+    assert!(
+        err.contains("needs a token") && err.contains("--token-file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn top_reaches_a_daemon_on_its_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("admitd.sock");
+    let cfg = dir.path().join("admitd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nlisten = \"unix:{}\"\n[limits.subject]\nrate = \"1/min\"\nburst = 1\n",
+            sock.display()
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(common::bin())
+        .args(["serve", "--config", cfg.to_str().unwrap()])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("unix:{}", sock.display());
+    let up = eventually(Duration::from_secs(20), || top(&["--url", &url], &[]).0);
+    assert!(up, "the daemon did not come up on {url}");
+    // Calls over the socket too: admitd top is the only client here that speaks it.
+    for _ in 0..4 {
+        use std::io::{Read, Write};
+        let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        let body = r#"{"tenant":"sock-tenant","subject":"bot","tool":"t","max_wait_ms":0}"#;
+        write!(s, "POST /v1/admit HTTP/1.1\r\nhost: a\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+    }
+    let mut shown = String::new();
+    let ok = eventually(Duration::from_secs(10), || {
+        shown = top(&["--url", &url], &[]).1;
+        shown
+            .lines()
+            .any(|l| l.starts_with("sock-tenant ") && l.contains(" 75.0 "))
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(ok, "{shown}");
+}
