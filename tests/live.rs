@@ -179,12 +179,8 @@ fn top(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
         .arg("top")
         .arg("--once")
         .args(args)
+        .env_remove("ADMITD_TOKEN")
         .envs(env.iter().copied())
-        .env_remove(if env.is_empty() {
-            "ADMITD_TOKEN"
-        } else {
-            "ADMITD_UNUSED"
-        })
         .output()
         .expect("run admitd top");
     (
