@@ -18,6 +18,8 @@ command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
 # redis-server (it brings redis-cli through redis-tools) for the shared store tests (tests/common/redis.rs).
 { command -v redis-server && command -v redis-cli; } >/dev/null 2>&1 || need_apt+=(redis-server)
+# Headless Chromium renders the status page (tests/status_page.rs).
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing test dependencies: ${need_apt[*]}"
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi

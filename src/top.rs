@@ -218,10 +218,24 @@ pub fn fetch(target: &Target, token: Option<&str>, limit: usize) -> Result<View,
     let ready: serde_json::Value = serde_json::from_slice(&ready_body).unwrap_or_default();
     Ok(View {
         target: target.to_string(),
-        store: ready["store"].as_str().unwrap_or("unknown").to_string(),
+        store: store_state(&ready["store"]),
         ready: ready_status == 200,
         page,
     })
+}
+
+/// The store as `/readyz` describes it: `memory`, or the shared store's kind and state
+/// (`redis connected`, `redis unreachable`, with the mode it decides in when that is not `shared`).
+pub fn store_state(v: &serde_json::Value) -> String {
+    if let Some(s) = v.as_str() {
+        return s.to_string();
+    }
+    let text = |k: &str| v[k].as_str().unwrap_or("unknown").to_string();
+    let mut out = format!("{} {}", text("kind"), text("state"));
+    if v["mode"].as_str().is_some_and(|m| m != "shared") {
+        out.push_str(&format!(", deciding {}", text("mode")));
+    }
+    out
 }
 
 /// Cuts `s` to `width` characters, marking a cut with `…`.
@@ -344,6 +358,16 @@ mod tests {
         for bad in ["unix:admitd.sock", "https://x:1", "http://", "localhost"] {
             assert!(Target::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_store_is_named_from_readyz() {
+        assert_eq!(store_state(&serde_json::json!("memory")), "memory");
+        let up = serde_json::json!({"kind": "redis", "state": "connected", "mode": "shared"});
+        assert_eq!(store_state(&up), "redis connected");
+        let down =
+            serde_json::json!({"kind": "redis", "state": "unreachable", "mode": "fail_open"});
+        assert_eq!(store_state(&down), "redis unreachable, deciding fail_open");
     }
 
     #[test]

@@ -7,8 +7,9 @@
 //! routes behind the headers they read, taken from the request beforehand.
 //!
 //! This file is the router. Each route lives in a file named after it (`admit.rs`, `release.rs`,
-//! `feedback.rs`, `tenant.rs`, `tenants.rs`, `ready.rs`, `reload.rs`, `edge.rs`, `edge_answer.rs`
-//! for `/v1/edge/refusal`, `renew.rs`, `tasks.rs` for MCP task polls), with its body's shape, its
+//! `feedback.rs`, `tenant.rs`, `tenants.rs`, `status.rs` (`GET /`), `ready.rs`, `reload.rs`,
+//! `edge.rs`, `edge_answer.rs` for `/v1/edge/refusal`, `renew.rs`, `tasks.rs` for MCP task polls),
+//! with its body's shape, its
 //! checks and its answer; what several routes read alike is in `fields.rs`.
 
 pub mod admit;
@@ -30,6 +31,7 @@ pub mod release;
 pub mod reload;
 pub mod renew;
 pub mod retry_after;
+pub mod status;
 pub mod tasks;
 pub mod tenant;
 pub mod tenants;
@@ -326,6 +328,7 @@ where
             edge_answer::refusal_route(head.edge.as_deref(), &bytes)
         }
         "/v1/tenants" if get => Box::pin(tenants::tenants(app, viewer, &head)).await,
+        "/" if get => Box::pin(status::status_page(app, viewer, &head)).await,
         p if get && p.starts_with("/v1/tenants/") => {
             Box::pin(tenant::tenant_snapshot(app, &p["/v1/tenants/".len()..])).await
         }
@@ -337,7 +340,7 @@ where
                 "/v1/edge/refusal" => Some("GET, POST, DELETE, HEAD"),
                 "/metrics" if app.metrics.is_some() => Some("GET, HEAD"),
                 "/v1/alerts" if app.alerts.is_some() => Some("GET, HEAD"),
-                "/v1/tenants" => Some("GET, HEAD"),
+                "/v1/tenants" | "/" => Some("GET, HEAD"),
                 p if p.starts_with("/v1/tenants/") => Some("GET, HEAD"),
                 _ => None,
             };

@@ -13,9 +13,38 @@ use crate::actors::global::{GlobalActor, Reconfigure};
 use crate::actors::Shared;
 use crate::config::Config;
 
+/// The latest reload (HTTP or SIGHUP) and how it went, for the status page.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LastReload {
+    /// Unix milliseconds.
+    pub at_ms: i64,
+    /// The keys that need a restart, or why the file was refused.
+    pub outcome: Result<Vec<&'static str>, String>,
+}
+
+/// One per process, as the config file is: both ways of reloading write it.
+static LAST_RELOAD: parking_lot::Mutex<Option<LastReload>> = parking_lot::const_mutex(None);
+
+/// The latest reload since the process started, if any.
+pub fn last_reload() -> Option<LastReload> {
+    LAST_RELOAD.lock().clone()
+}
+
 /// Re-reads the config file and swaps policies in. Live buckets, leases and quotas are kept; a file that
 /// does not validate is refused and the running config stays. Returns the keys that need a restart.
 pub async fn reload(
+    shared: &Arc<Shared>,
+    global: &Addr<GlobalActor>,
+) -> Result<Vec<&'static str>, ApiError> {
+    let result = reload_file(shared, global).await;
+    *LAST_RELOAD.lock() = Some(LastReload {
+        at_ms: shared.clock.wall_ms(),
+        outcome: result.clone().map_err(|e| e.message),
+    });
+    result
+}
+
+async fn reload_file(
     shared: &Arc<Shared>,
     global: &Addr<GlobalActor>,
 ) -> Result<Vec<&'static str>, ApiError> {

@@ -31,9 +31,12 @@ pub fn viewer(app: &App, head: &Head) -> Result<Viewer, ApiError> {
     })
 }
 
-/// The `sort`, `limit` and `next` parameters of a query string.
-pub fn parse_query(query: Option<&str>) -> Result<(SortField, usize, Option<Cursor>), ApiError> {
-    let (mut sort, mut limit, mut next) = (SortField::ShedRatio, DEFAULT_LIMIT, None);
+/// The `sort`, `limit` (`default_limit` when absent) and `next` parameters of a query string.
+pub fn parse_query(
+    query: Option<&str>,
+    default_limit: usize,
+) -> Result<(SortField, usize, Option<Cursor>), ApiError> {
+    let (mut sort, mut limit, mut next) = (SortField::ShedRatio, default_limit, None);
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (name, raw) = pair.split_once('=').unwrap_or((pair, ""));
         let value = percent_decode(raw).ok_or_else(|| {
@@ -111,7 +114,7 @@ struct Answer<'a> {
 
 /// `GET /v1/tenants`.
 pub async fn tenants(app: &Arc<App>, viewer: Viewer, head: &Head) -> Result<Response, ApiError> {
-    let (sort, limit, after) = parse_query(head.query.as_deref())?;
+    let (sort, limit, after) = parse_query(head.query.as_deref(), DEFAULT_LIMIT)?;
     let q = TenantsQuery {
         sort,
         limit,
@@ -139,10 +142,11 @@ mod tests {
     #[test]
     fn queries_are_read_and_bad_ones_refused() {
         assert_eq!(
-            parse_query(None).unwrap(),
+            parse_query(None, DEFAULT_LIMIT).unwrap(),
             (SortField::ShedRatio, DEFAULT_LIMIT, None)
         );
-        let (sort, limit, next) = parse_query(Some("sort=inflight&limit=5")).unwrap();
+        let (sort, limit, next) =
+            parse_query(Some("sort=inflight&limit=5"), DEFAULT_LIMIT).unwrap();
         assert_eq!((sort, limit, next), (SortField::Inflight, 5, None));
         let c = Cursor {
             sort: SortField::Shed,
@@ -150,7 +154,10 @@ mod tests {
             tenant: "a b&c".into(),
         };
         let q = format!("sort=shed&next={}", c.encode());
-        assert_eq!(parse_query(Some(&q)).unwrap().2, Some(c.clone()));
+        assert_eq!(
+            parse_query(Some(&q), DEFAULT_LIMIT).unwrap().2,
+            Some(c.clone())
+        );
         for bad in [
             "sort=nope",
             "limit=0",
@@ -161,11 +168,11 @@ mod tests {
             "colour=red",
             "sort=%zz",
         ] {
-            let e = parse_query(Some(bad)).unwrap_err();
+            let e = parse_query(Some(bad), DEFAULT_LIMIT).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
         }
         // A cursor of one order does not continue another.
         let q = format!("sort=admitted&next={}", c.encode());
-        assert!(parse_query(Some(&q)).is_err());
+        assert!(parse_query(Some(&q), DEFAULT_LIMIT).is_err());
     }
 }
