@@ -28,6 +28,7 @@ use compact_str::CompactString;
 use parking_lot::RwLock;
 
 pub use global::GlobalActor;
+pub use remote::StoreSnapshot;
 pub use tasks::{PollTask, Renew, StartTask, TaskError};
 pub use tenant::{
     Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, ExportDurable,

@@ -321,19 +321,27 @@ impl TenantActor {
 
     /// The tenant's state as the store holds it; `None` when it holds none.
     pub(super) fn snapshot_remote(&mut self) -> ResponseActFuture<Self, Option<TenantSnapshot>> {
+        Box::pin(self.snapshot_checked().map(|out, _, _| out.ok().flatten()))
+    }
+
+    /// The tenant's state as the store holds it, `None` when it holds none, or why the store did
+    /// not say.
+    fn snapshot_checked(
+        &mut self,
+    ) -> ResponseActFuture<Self, Result<Option<TenantSnapshot>, String>> {
         let plan = self.remote().planner.remote_snapshot_plan();
         let store = Arc::clone(&self.remote().store);
         self.remote().in_store += 1;
         let fut = store.snapshot(plan.clone());
         Box::pin(fut.into_actor(self).map(move |out, act, _| {
             act.remote().in_store -= 1;
-            let state = out.ok()?;
+            let state = out.map_err(|e| e.to_string())?;
             let snap = plan.render(&state);
             let idle = state.subjects.is_empty()
                 && state.tenant_inflight == 0
                 && snap.buckets.iter().all(|b| b.reset_ms == 0)
                 && snap.penalties.is_empty();
-            (!idle).then_some(snap)
+            Ok((!idle).then_some(snap))
         }))
     }
 
@@ -342,5 +350,24 @@ impl TenantActor {
         if let Some(r) = &mut self.remote {
             r.detached.retain(|_, until| *until > now);
         }
+    }
+}
+
+/// A tenant's snapshot from the shared store, telling "holds no state" from "the store did not
+/// answer" (`GET /v1/tenants/{tenant}` answers 404 for the one and 503 for the other).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "Result<Option<TenantSnapshot>, String>")]
+pub struct StoreSnapshot;
+
+impl Handler<StoreSnapshot> for TenantActor {
+    type Result = ResponseActFuture<Self, Result<Option<TenantSnapshot>, String>>;
+
+    fn handle(&mut self, _: StoreSnapshot, _: &mut Context<Self>) -> Self::Result {
+        if self.remote.is_none() {
+            return Box::pin(actix::fut::ready(Err(
+                "this tenant is not kept in a shared store".to_string(),
+            )));
+        }
+        self.snapshot_checked()
     }
 }

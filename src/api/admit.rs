@@ -445,6 +445,10 @@ struct AdmittedBody<'a> {
     /// An MCP task's first poll interval.
     #[serde(skip_serializing_if = "Option::is_none")]
     poll_interval_ms: Option<u64>,
+    /// `true` when nothing was checked: the shared store did not answer and `on_error =
+    /// "fail_open"` admitted the call (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unchecked: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -614,6 +618,13 @@ fn write_admitted(b: &AdmittedBody) -> Vec<u8> {
         out.extend_from_slice(b",\"poll_interval_ms\":");
         out.extend_from_slice(n.format(p).as_bytes());
     }
+    if let Some(u) = b.unchecked {
+        out.extend_from_slice(if u {
+            b",\"unchecked\":true"
+        } else {
+            b",\"unchecked\":false"
+        });
+    }
     out.push(b'}');
     out
 }
@@ -675,6 +686,7 @@ fn answer_task(
         decision_ns,
         call_id,
         lease: 0,
+        unchecked: false,
         span: None,
     };
     let mut response = match &d.verdict {
@@ -710,7 +722,9 @@ fn answer_task(
                 would_wait_ms: (a.mode == Mode::Shadow && a.hold_ns > 0)
                     .then(|| ceil_ms(a.hold_ns)),
                 poll_interval_ms,
+                unchecked: a.unchecked.then_some(true),
             };
+            event.unchecked = a.unchecked;
             let r = super::json_response(StatusCode::OK, write_admitted(&body));
             if let Some(span) = &mut span {
                 span.lease = Some(a.lease);
@@ -846,6 +860,7 @@ pub(super) mod tests {
                 would_shed: None,
                 would_wait_ms: None,
                 poll_interval_ms: None,
+                unchecked: None,
             },
             AdmittedBody {
                 admitted: true,
@@ -861,6 +876,7 @@ pub(super) mod tests {
                 would_shed: Some(shed),
                 would_wait_ms: Some(250),
                 poll_interval_ms: Some(5_500),
+                unchecked: None,
             },
             AdmittedBody {
                 admitted: true,
@@ -876,6 +892,7 @@ pub(super) mod tests {
                 would_shed: None,
                 would_wait_ms: None,
                 poll_interval_ms: Some(u64::MAX),
+                unchecked: Some(true),
             },
         ];
         for b in &bodies {

@@ -1,5 +1,7 @@
 //! `GET /v1/tenants/{tenant}`: one tenant's state as its actor (or the shared store) holds it now:
-//! tokens left per layer and key, calls in flight, quota used, penalties, adaptive rates.
+//! tokens left per layer and key, calls in flight, quota used, penalties, adaptive rates. 404
+//! `unknown_tenant` when it holds none; with a shared store, 503 `store_unavailable` when the store
+//! does not answer.
 
 use std::sync::Arc;
 
@@ -8,7 +10,7 @@ use warp::reply::Response;
 
 use super::fields::{name_field, percent_decode};
 use super::{json, ApiError, App};
-use crate::actors::Snapshot;
+use crate::actors::{Snapshot, StoreSnapshot};
 
 pub async fn tenant_snapshot(app: &Arc<App>, raw: &str) -> Result<Response, ApiError> {
     let tenant = percent_decode(raw).ok_or_else(|| {
@@ -23,7 +25,15 @@ pub async fn tenant_snapshot(app: &Arc<App>, raw: &str) -> Result<Response, ApiE
         )
     };
     let snap = match app.shared.store() {
-        Some(_) => Some(app.shared.ask(&tenant, Snapshot).await?),
+        // An outage is a 503 that names the store, not "holds no state": the state may well be
+        // there, out of reach.
+        Some(_) => Some(app.shared.ask(&tenant, StoreSnapshot).await?.map_err(|e| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                format!("the shared store (redis) holding the tenant's state did not answer: {e}"),
+            )
+        })?),
         None => app.shared.ask_existing(&tenant, Snapshot).await?,
     };
     match snap {

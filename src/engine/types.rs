@@ -145,6 +145,8 @@ pub struct Admitted {
     pub mode: Mode,
     /// In shadow mode, the refusal that enforce mode would have given.
     pub would_shed: Option<Shed>,
+    /// Admitted without any check: the shared store did not answer and `on_error = "fail_open"`.
+    pub unchecked: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

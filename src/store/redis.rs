@@ -12,8 +12,15 @@
 //!
 //! Failures: every call is bounded by `[store] timeout`. A broken connection, or three failed calls
 //! in a row, marks the store down: connections are dropped, calls go straight to the `on_error`
-//! policy without touching the network, and a probe reconnects every [`PROBE_EVERY`] until Redis
-//! answers a PING, when shared enforcement resumes.
+//! policy without touching the network, and a probe reconnects (at once, then every
+//! [`PROBE_EVERY`]) until Redis answers a PING, when shared enforcement resumes.
+//!
+//! An idle replica makes no calls, so nothing of the above would notice an outage until traffic
+//! came back: `/readyz` would say "connected" while Redis was gone, and the first calls after it
+//! returned would find a dead connection. So while the store is up and has answered nothing for
+//! [`IDLE_PING_EVERY`], the store's thread sends a PING of its own ([`RedisStore::watch_idle`]),
+//! a failure of which counts like a failed call: a refused connection marks the store down within
+//! about a second, a Redis that accepts and never answers within about six.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -36,6 +43,11 @@ use crate::telemetry::Telemetry;
 
 /// How often a store marked down is tried again.
 pub const PROBE_EVERY: Duration = Duration::from_millis(500);
+/// How long the store may go without answering anything before the idle watch PINGs it.
+pub const IDLE_PING_EVERY: Duration = Duration::from_secs(1);
+/// How long the idle watch's PING may take. Longer than a call's `[store] timeout`: it asks
+/// whether Redis is there, not whether it is fast (slow calls are counted by the calls themselves).
+const IDLE_PING_LIMIT: Duration = Duration::from_secs(1);
 /// Failed calls in a row that mark the store down (a broken connection does at once).
 const FAILURES_TO_DOWN: u32 = 3;
 /// The penalty of a 429 reported without a Retry-After.
@@ -123,6 +135,9 @@ pub struct RedisStore {
     last_error: parking_lot::Mutex<String>,
     /// Connections made so far (see [`Conns::Single`]).
     generation: std::sync::atomic::AtomicU64,
+    /// When the store last answered anything, in milliseconds since `started` (the idle watch).
+    answered_ms: std::sync::atomic::AtomicU64,
+    started: Instant,
 }
 
 impl RedisStore {
@@ -172,6 +187,8 @@ impl RedisStore {
             telemetry,
             last_error: parking_lot::Mutex::new("not connected yet".into()),
             generation: std::sync::atomic::AtomicU64::new(0),
+            answered_ms: std::sync::atomic::AtomicU64::new(0),
+            started: Instant::now(),
         });
         let first = Arc::clone(&store);
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -194,7 +211,54 @@ impl RedisStore {
             }
         }
         store.publish_mode();
+        let watch = Arc::clone(&store);
+        store.runtime.spawn(async move { watch.watch_idle().await });
         Ok(store)
+    }
+
+    /// Notes that the store answered (a call, or the idle watch's PING).
+    fn answered(&self) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        self.answered_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Whether the store has answered nothing for `quiet`.
+    fn quiet_for(&self, quiet: Duration) -> bool {
+        let last = self.answered_ms.load(Ordering::Relaxed);
+        let now = self.started.elapsed().as_millis() as u64;
+        now.saturating_sub(last) >= quiet.as_millis() as u64
+    }
+
+    /// The idle watch, on the store's thread for the process's life: while the store is up and
+    /// quiet, a PING every [`IDLE_PING_EVERY`], whose failure counts as a failed call (see the
+    /// module's doc). A busy store is never PINGed: its calls tell.
+    async fn watch_idle(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(IDLE_PING_EVERY).await;
+            if !self.is_up() || !self.quiet_for(IDLE_PING_EVERY) {
+                continue;
+            }
+            let Some(conns) = self.conns.load_full() else {
+                continue;
+            };
+            let ping = redis::cmd("PING");
+            let answer = match &*conns {
+                Conns::Single { pool, .. } => {
+                    within(IDLE_PING_LIMIT, ping.query_async(&mut pool[0].clone())).await
+                }
+                Conns::Cluster(c) => {
+                    within(IDLE_PING_LIMIT, ping.query_async(&mut c.clone())).await
+                }
+            };
+            drop(conns);
+            match answer {
+                Ok(_) => {
+                    self.answered();
+                    self.failures.store(0, Ordering::Release);
+                }
+                Err(e) => self.failed(&e),
+            }
+        }
     }
 
     /// Opens the connections (within a second per node) and loads the script.
@@ -237,6 +301,7 @@ impl RedisStore {
             Conns::Cluster(c) => ping.query_async(&mut c.clone()).await,
         };
         pong.map_err(|e| e.to_string())?;
+        self.answered();
         self.conns.store(Some(conns));
         self.failures.store(0, Ordering::Release);
         self.up.store(true, Ordering::Release);
@@ -316,8 +381,15 @@ impl RedisStore {
         }
         let me = Arc::clone(self);
         self.runtime.spawn(async move {
+            // The first try at once: a connection found dead may be one Redis dropped when it
+            // restarted, and Redis may answer already; then the sheds of `fail_closed` last one
+            // reconnection, not a probe interval.
+            let mut first = true;
             loop {
-                tokio::time::sleep(PROBE_EVERY).await;
+                if !first {
+                    tokio::time::sleep(PROBE_EVERY).await;
+                }
+                first = false;
                 match me.connect().await {
                     Ok(()) => {
                         tracing::info!(
@@ -403,7 +475,10 @@ impl RedisStore {
         self.telemetry
             .store_round_trip(started.elapsed().as_secs_f64());
         match &out {
-            Ok(_) => self.failures.store(0, Ordering::Release),
+            Ok(_) => {
+                self.failures.store(0, Ordering::Release);
+                self.answered();
+            }
             Err(e) => self.failed(e),
         }
         out

@@ -414,6 +414,12 @@ impl MetricsActor {
             None => self.decision_series(d, hash, raw),
         };
         self.decisions.get(entry).record(d);
+        if d.unchecked {
+            // Only while the store is down and `fail_open` admits: rare, so the registry's lookup
+            // is fine here.
+            metrics::counter!(super::names::UNCHECKED_ADMISSIONS, "tenant" => d.tenant.to_string())
+                .increment(1);
+        }
         let scope = d.scope.map_or("none", |s| s.as_str());
         self.decision_hist
             .record(d.decision_ns as f64 / NS_PER_SEC as f64);
@@ -723,6 +729,7 @@ mod tests {
             decision_ns: 30_000,
             call_id: None,
             lease: 0,
+            unchecked: false,
             span: None,
         })
     }

@@ -138,6 +138,8 @@ pub struct DecisionEvent {
     /// The lease number of an admitted call (also admitted in shadow mode); meaningless for a
     /// shed call. The advice recording pairs the release with its call by it.
     pub lease: u64,
+    /// Admitted without any check (`on_error = "fail_open"` while the shared store was down).
+    pub unchecked: bool,
     /// What only spans read; `None` unless spans are exported. Every admission's event is copied
     /// into a batch and read again on the telemetry thread, so fields most events leave empty stay
     /// out of line.

@@ -38,6 +38,7 @@ pub const STORE_FALLBACK: &str = "admitd_store_fallback_decisions_total";
 pub const TASKS_INFLIGHT: &str = "admitd_tasks_inflight";
 pub const TASKS_STARTED: &str = "admitd_tasks_started_total";
 pub const TASK_POLLS: &str = "admitd_task_polls_total";
+pub const UNCHECKED_ADMISSIONS: &str = "admitd_unchecked_admissions_total";
 
 /// The type of a metric, as its `# TYPE` line says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +111,7 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(TASKS_INFLIGHT, Gauge, COUNT, "MCP tasks admitted and not yet released or expired."),
         help(TASKS_STARTED, Counter, COUNT, "Admissions answered as MCP tasks."),
         help(TASK_POLLS, Counter, COUNT, "Polls of MCP tasks (POST /v1/tasks/poll), admitted on time or refused as early."),
+        help(UNCHECKED_ADMISSIONS, Counter, COUNT, "Calls admitted unchecked by on_error = fail_open while the shared store was unreachable."),
     ]
 };
 

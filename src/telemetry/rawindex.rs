@@ -253,6 +253,7 @@ mod tests {
             decision_ns: 0,
             call_id: None,
             lease: 0,
+            unchecked: false,
             span: None,
         }
     }

@@ -245,6 +245,7 @@ impl TenantEngine {
                     queued_ns: 0,
                     mode: Mode::Shadow,
                     would_shed: Some(shed),
+                    unchecked: false,
                 })
             }
         };

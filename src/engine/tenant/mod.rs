@@ -444,6 +444,7 @@ impl TenantEngine {
                 queued_ns,
                 mode: self.policy.cfg.server.mode,
                 would_shed: None,
+                unchecked: false,
             }),
             resolved: r,
             layers,

@@ -399,6 +399,7 @@ impl TenantEngine {
                         queued_ns: 0,
                         mode,
                         would_shed: None,
+                        unchecked: false,
                     }),
                     resolved: r,
                     layers,
@@ -453,6 +454,7 @@ impl TenantEngine {
                         queued_ns: 0,
                         mode,
                         would_shed: Some(shed),
+                        unchecked: false,
                     }),
                 };
                 RemoteOutcome::Decided(Decision {
@@ -475,6 +477,7 @@ impl TenantEngine {
                 queued_ns: 0,
                 mode: self.policy.cfg.server.mode,
                 would_shed: None,
+                unchecked: true,
             }),
             resolved: r,
             layers: Vec::new(),

@@ -60,6 +60,8 @@ pub(super) struct AdmissionSpan {
     pub waited_ns: u64,
     pub retry_after_ms: u64,
     pub decision_ns: u64,
+    /// Admitted by `on_error = "fail_open"` without any check.
+    pub unchecked: bool,
 }
 
 /// Who called which tool: what both spans of a call carry.
@@ -252,6 +254,9 @@ impl AdmissionSpan {
         attrs.push(attr("admitd.waited_ms", (s.waited_ns / 1_000_000) as i64));
         attrs.push(attr("admitd.retry_after_ms", s.retry_after_ms as i64));
         attrs.push(attr("admitd.decision_us", (s.decision_ns / 1_000) as i64));
+        if s.unchecked {
+            attrs.push(attr("admitd.unchecked", true));
+        }
         let mut status = Status::Unset;
         if s.kind == DecisionKind::Shed {
             attrs.push(attr("error.type", "rate_limited"));

@@ -205,6 +205,7 @@ impl SpanActor {
             waited_ns: d.waited_ns,
             retry_after_ms: d.retry_after_ms,
             decision_ns: d.decision_ns,
+            unchecked: d.unchecked,
         });
         if d.kind != DecisionKind::Shed && self.open.len() < MAX_OPEN {
             if let Some(lease) = fields.and_then(|f| f.lease) {
@@ -373,6 +374,7 @@ mod tests {
             decision_ns: 40_000,
             call_id: Some("c-1".into()),
             lease: 0,
+            unchecked: false,
             span: Some(Box::new(crate::telemetry::SpanFields {
                 traceparent: None,
                 lease,
@@ -528,6 +530,29 @@ mod tests {
         assert_eq!(attr_of(a_, "admitd.cost"), Some(&Value::F64(2.0)));
         assert_eq!(s.status, Status::error("shed by subject"));
         assert!(s.events.is_empty() && s.links.is_empty());
+    }
+
+    #[test]
+    fn an_unchecked_admission_says_so_in_its_span_and_a_checked_one_does_not() {
+        let clock = FakeClock::new(0);
+        let (mut a, rx) = actor(&clock, 1.0);
+        let mut unchecked = decision("acme", DecisionKind::Admitted, Some(5));
+        unchecked.unchecked = true;
+        a.handle_events(&[
+            Event::Decision(unchecked),
+            Event::Decision(decision("globex", DecisionKind::Admitted, Some(6))),
+        ]);
+        let spans = exported(&mut a, &rx);
+        assert_eq!(spans.len(), 2);
+        for s in &spans {
+            let tenant = text(&s.attributes, "admitd.tenant").unwrap();
+            let flag = attr_of(&s.attributes, "admitd.unchecked");
+            if tenant == "acme" {
+                assert_eq!(flag, Some(&Value::Bool(true)));
+            } else {
+                assert_eq!(flag, None, "a checked admission carries no flag");
+            }
+        }
     }
 
     #[test]
