@@ -251,7 +251,7 @@ else
     done
     [ -n "$UNIT_BIN" ] || UNIT_BIN=/bin/true
     mkdir -p "$TMP/unit"
-    sed "s#/usr/local/bin/admitd#$UNIT_BIN#g" deploy/admitd.service > "$TMP/unit/admitd.service"
+    sed "s#/usr/bin/admitd#$UNIT_BIN#g" deploy/admitd.service > "$TMP/unit/admitd.service"
     # Unknown keys and unparsable values are only warnings to systemd: any output is a failure here.
     out="$(systemd-analyze verify "$TMP/unit/admitd.service" 2>&1)" || fail "systemd-analyze verify: $out"
     [ -z "$out" ] || fail "systemd-analyze verify warned: $out"
