@@ -123,9 +123,9 @@ th {{ font-weight: 600; color: #545b69; }} td.name, th.name {{ text-align: left;
     );
     match page {
         Some(p) => {
-            let _ = write!(
-                h,
-                "<span>tenants with state: <b id=\"total\">{}</b></span><span>window: {}s</span></p>\n",
+            let _ = writeln!(
+        h,
+        "<span>tenants with state: <b id=\"total\">{}</b></span><span>window: {}s</span></p>",
                 p.total,
                 p.window_s.round()
             );
@@ -160,9 +160,9 @@ th {{ font-weight: 600; color: #545b69; }} td.name, th.name {{ text-align: left;
     } else {
         60
     };
-    let _ = write!(
+    let _ = writeln!(
         h,
-        "<p class=\"key muted\"><i class=\"a\">admitted</i> and <i class=\"s\">shed</i> calls per {}s over the last {}s</p>\n",
+        "<p class=\"key muted\"><i class=\"a\">admitted</i> and <i class=\"s\">shed</i> calls per {}s over the last {}s</p>",
         p.slot_s,
         p.window_s.round()
     );
@@ -175,9 +175,9 @@ th {{ font-weight: 600; color: #545b69; }} td.name, th.name {{ text-align: left;
                 Some(s) => format!("{s} ({})", r.top_scope_shed),
                 None => "-".into(),
             };
-            let _ = write!(
-                h,
-                "<tr class=\"tenant\" data-tenant=\"{name}\"><td class=\"name{alert}\">{name}</td><td>{:.1}</td><td>{}</td><td>{}</td><td class=\"name\">{}</td><td>{}</td><td class=\"name\">{}</td></tr>\n",
+            let _ = writeln!(
+        h,
+        "<tr class=\"tenant\" data-tenant=\"{name}\"><td class=\"name{alert}\">{name}</td><td>{:.1}</td><td>{}</td><td>{}</td><td class=\"name\">{}</td><td>{}</td><td class=\"name\">{}</td></tr>",
                 r.shed_ratio * 100.0,
                 r.admitted,
                 r.shed,
@@ -190,9 +190,9 @@ th {{ font-weight: 600; color: #545b69; }} td.name, th.name {{ text-align: left;
         }
         h.push_str("</tbody></table>\n");
         if p.total > p.tenants.len() {
-            let _ = write!(
+            let _ = writeln!(
                 h,
-                "<p class=\"muted\">and {} more (GET /v1/tenants lists them all)</p>\n",
+                "<p class=\"muted\">and {} more (GET /v1/tenants lists them all)</p>",
                 p.total - p.tenants.len()
             );
         }
