@@ -160,7 +160,7 @@ fn the_page_is_guarded_like_metrics_and_shows_a_tenant_only_itself() {
         sha256_hex("page-scraper"),
         sha256_hex("acme-key")
     );
-    let d = Daemon::start(&config);
+    let d = Daemon::start(&common::with_admin(&config));
     call(&d, "looping", 20, false);
     call(&d, "acme", 3, true);
     let get = |auth: Option<String>| {
@@ -197,4 +197,23 @@ fn the_page_is_guarded_like_metrics_and_shows_a_tenant_only_itself() {
     assert!(!body.contains("looping"), "{body}");
     let (status, _, _) = get(Some("Bearer wrong".into()));
     assert_eq!(status, 401);
+
+    // The latest reload, and a refused one with its reason.
+    let (_, _, body) = get(Some(basic.clone()));
+    assert!(
+        body.contains(r#"id="reload">none since start</b>"#),
+        "{body}"
+    );
+    assert_eq!(d.post_admin("/v1/admin/reload", json!({})).status, 200);
+    let (_, _, body) = get(Some(basic.clone()));
+    assert!(body.contains(r#"id="reload">ok at "#), "{body}");
+    d.rewrite_config("[limits.subject]\nrate = \"5/mins\"\n");
+    assert_eq!(d.post_admin("/v1/admin/reload", json!({})).status, 400);
+    let (_, _, body) = get(Some(basic));
+    assert!(body.contains(r#"id="reload">refused at "#), "{body}");
+    assert!(body.contains("5/mins"), "{body}");
+    // Its reason quotes the config, which may name any tenant: a tenant's own view gets the time.
+    let (_, _, body) = get(Some("Bearer acme-key".into()));
+    assert!(body.contains(r#"id="reload">refused at "#), "{body}");
+    assert!(!body.contains("5/mins"), "{body}");
 }

@@ -212,7 +212,9 @@ fn store_state(app: &App) -> (String, bool) {
     }
 }
 
-fn reload_state() -> String {
+/// The latest reload in words. `detailed`: with the reason a refused file gave, which quotes the
+/// config (and so may name any tenant): not for a viewer limited to its own tenant.
+fn reload_state(detailed: bool) -> String {
     match super::reload::last_reload() {
         None => "none since start".into(),
         Some(r) => match r.outcome {
@@ -222,7 +224,8 @@ fn reload_state() -> String {
                 rfc3339(r.at_ms),
                 restart.join(", ")
             ),
-            Err(why) => format!("refused at {}: {why}", rfc3339(r.at_ms)),
+            Err(why) if detailed => format!("refused at {}: {why}", rfc3339(r.at_ms)),
+            Err(_) => format!("refused at {}", rfc3339(r.at_ms)),
         },
     }
 }
@@ -263,7 +266,13 @@ pub async fn status_page(
         }
     }
     let (store, ready) = store_state(app);
-    let html = render(page.as_ref(), &store, ready, &reload_state(), &alerts);
+    let html = render(
+        page.as_ref(),
+        &store,
+        ready,
+        &reload_state(only.is_none()),
+        &alerts,
+    );
     let mut r = Response::new(html.into());
     let h = r.headers_mut();
     h.insert(
