@@ -121,40 +121,38 @@ impl SortField {
 }
 
 /// A place in the order: the sort key of the last tenant of a page and its name. Sent to the
-/// client as `next`, an opaque string of hex digits (any tenant name survives a query string).
+/// client as `next`: 16 hex digits of the key's bits, a dot, and the name's bytes in hex, so any
+/// tenant name survives a query string. Every string of that shape is a place in the order (the
+/// name's bytes are compared as bytes, which orders UTF-8 as its text), so none is refused for
+/// what it holds; the order it continues is the request's `sort`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Cursor {
-    pub sort: SortField,
     pub key: f64,
-    pub tenant: String,
+    pub tenant: Vec<u8>,
 }
 
 impl Cursor {
     pub fn encode(&self) -> String {
-        let mut s = format!("{}.{:016x}.", self.sort.as_str(), self.key.to_bits());
-        for b in self.tenant.bytes() {
+        let mut s = format!("{:016x}.", self.key.to_bits());
+        for b in &self.tenant {
             s.push_str(&format!("{b:02x}"));
         }
         s
     }
 
     pub fn decode(s: &str) -> Option<Cursor> {
-        let mut parts = s.splitn(3, '.');
-        let sort = SortField::parse(parts.next()?)?;
-        let key = f64::from_bits(u64::from_str_radix(parts.next()?, 16).ok()?);
-        let hex = parts.next()?.as_bytes();
-        if hex.len() % 2 != 0 || key.is_nan() {
+        let (key, hex) = s.split_once('.')?;
+        let hexdigits = |t: &str| t.bytes().all(|b| b.is_ascii_hexdigit());
+        if key.len() != 16 || !hexdigits(key) || hex.len() % 2 != 0 || !hexdigits(hex) {
             return None;
         }
-        let bytes = hex
+        let key = f64::from_bits(u64::from_str_radix(key, 16).ok()?);
+        let tenant = hex
+            .as_bytes()
             .chunks(2)
             .map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok())
             .collect::<Option<Vec<u8>>>()?;
-        Some(Cursor {
-            sort,
-            key,
-            tenant: String::from_utf8(bytes).ok()?,
-        })
+        Some(Cursor { key, tenant })
     }
 }
 
@@ -216,8 +214,8 @@ where
     }
 }
 
-/// Orders two tenants in the view: larger key first, then by name.
-fn order(a: (f64, &str), b: (f64, &str)) -> std::cmp::Ordering {
+/// Orders two tenants in the view: larger key first, then by name (as bytes).
+fn order(a: (f64, &[u8]), b: (f64, &[u8])) -> std::cmp::Ordering {
     b.0.total_cmp(&a.0).then_with(|| a.1.cmp(b.1))
 }
 
@@ -230,7 +228,7 @@ impl AlertEvaluator {
         let window_slots = self.window_slots();
         let slot_s = self.slot_seconds();
         let only = q.only.as_deref();
-        let after = q.after.as_ref().filter(|c| c.sort == q.sort);
+        let after = q.after.as_ref();
         let mut total = 0usize;
         let mut picked: Vec<(f64, &Arc<str>)> = self
             .live_entries()
@@ -249,24 +247,26 @@ impl AlertEvaluator {
             })
             .filter(|(key, name)| {
                 after.is_none_or(|c| {
-                    order((*key, name), (c.key, &c.tenant)) == std::cmp::Ordering::Greater
+                    order((*key, name.as_bytes()), (c.key, &c.tenant))
+                        == std::cmp::Ordering::Greater
                 })
             })
             .collect();
         let limit = q.limit.max(1);
         let more = picked.len() > limit;
         if more {
-            picked.select_nth_unstable_by(limit - 1, |a, b| order((a.0, a.1), (b.0, b.1)));
+            picked.select_nth_unstable_by(limit - 1, |a, b| {
+                order((a.0, a.1.as_bytes()), (b.0, b.1.as_bytes()))
+            });
             picked.truncate(limit);
         }
-        picked.sort_unstable_by(|a, b| order((a.0, a.1), (b.0, b.1)));
+        picked.sort_unstable_by(|a, b| order((a.0, a.1.as_bytes()), (b.0, b.1.as_bytes())));
         let next = more
             .then(|| picked.last())
             .flatten()
             .map(|(key, name)| Cursor {
-                sort: q.sort,
                 key: *key,
-                tenant: name.to_string(),
+                tenant: name.as_bytes().to_vec(),
             });
         let names: Vec<Arc<str>> = picked.into_iter().map(|(_, n)| n.clone()).collect();
         let tenants = names
@@ -495,21 +495,24 @@ mod tests {
     }
 
     #[test]
-    fn cursors_survive_the_wire_and_refuse_garbage() {
+    fn cursors_survive_the_wire_and_only_their_shape_is_checked() {
         let c = Cursor {
-            sort: SortField::ShedRatio,
             key: 0.25,
-            tenant: "ü tenant/1".into(),
+            tenant: "ü tenant/1".as_bytes().to_vec(),
         };
         assert_eq!(Cursor::decode(&c.encode()), Some(c));
+        // Any bytes and any key bits are a place in the order.
+        let odd = Cursor::decode("7FF8000000000000.ff00").unwrap();
+        assert_eq!(odd.tenant, vec![0xff, 0x00]);
+        assert!(odd.key.is_nan());
         for bad in [
             "",
-            "shed_ratio",
-            "x.0.00",
-            "shed.zz.00",
-            "shed.0000000000000000.0",
-            "shed.7ff8000000000000.61",
-            "shed.0000000000000000.ff",
+            "0000000000000000",
+            "000000000000000.00",
+            "+000000000000000.00",
+            "0000000000000000.0",
+            "0000000000000000.zz",
+            "shed.0000000000000000.61",
         ] {
             assert_eq!(Cursor::decode(bad), None, "{bad}");
         }
