@@ -10,6 +10,7 @@ pub mod labels;
 pub mod leases;
 pub mod lint;
 pub mod poll;
+pub mod probe;
 pub mod refusal;
 pub mod rng;
 pub mod shared;

@@ -89,9 +89,10 @@ impl TenantEngine {
             };
             let (forget, spec) = (forget_after(adaptive_window(cfg)), cfg.bucket);
             if cfg.shared {
+                // A shared upstream's cut is not forgotten with time: its probes find the capacity
+                // again (see `engine::probe`). A probe that starts or ends moves its rate here.
                 if let (Some(s), Some(spec)) = (self.shared.upstream(up), spec) {
-                    if s.multiplier() < 1.0 && now.saturating_sub(s.last_429()) > forget {
-                        let (old, new) = s.forget_cut();
+                    if let Some((old, new)) = s.tick(now) {
                         s.bucket
                             .rescale(now, &scaled(spec, old), &scaled(spec, new));
                     }
@@ -304,7 +305,8 @@ impl TenantEngine {
                 if let Some(s) = &shared {
                     s.note_429(now);
                     if new_episode {
-                        let (old, new) = s.aimd_refused(spec.rate.per_sec, &cfg.aimd, now);
+                        let (old, new) =
+                            s.aimd_refused(spec.rate.per_sec, &cfg.aimd, &cfg.probe, now);
                         s.bucket
                             .rescale(now, &scaled(spec, old), &scaled(spec, new));
                     }
@@ -394,7 +396,8 @@ impl TenantEngine {
                     .upstreams
                     .get(upstream)
                     .map_or(1.0, |u| u.tokens_per_call);
-                let (old, new) = s.aimd_served(units, &cfg.aimd, now);
+                let (old, new) =
+                    s.aimd_served(units, spec.rate.per_sec, &cfg.aimd, &cfg.probe, now);
                 if new != old {
                     s.bucket
                         .rescale(now, &scaled(spec, old), &scaled(spec, new));
