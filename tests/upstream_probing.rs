@@ -41,7 +41,9 @@ fn config(store: &str) -> String {
 }
 
 fn redis_store(url: &str) -> String {
-    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout = \"250ms\"\n")
+    // A generous store timeout: the machine may be busy, and this test is about rates, not about
+    // a slow store.
+    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout = \"2s\"\n")
 }
 
 /// What the light tenants saw: (when the call was due, how it ended), both tenants together.
@@ -49,7 +51,11 @@ type Light = Vec<(Duration, Ended)>;
 
 /// Runs the scenario for `run` against `daemons` (every call admitted by one replica and released
 /// by the next), raising the upstream's limit to `rise.1` at `rise.0` when given.
-fn scenario(daemons: &[Daemon], run: Duration, rise: Option<(Duration, f64)>) -> (FakeUpstream, Light) {
+fn scenario(
+    daemons: &[Daemon],
+    run: Duration,
+    rise: Option<(Duration, f64)>,
+) -> (FakeUpstream, Light) {
     let start = Instant::now();
     let upstream = FakeUpstream::start(start, REAL_RATE, REAL_BURST);
     let stop = AtomicBool::new(false);
@@ -98,10 +104,7 @@ fn scenario(daemons: &[Daemon], run: Duration, rise: Option<(Duration, f64)>) ->
             std::thread::sleep((start + at).saturating_duration_since(Instant::now()));
             upstream.set_rate(rate);
         }
-        let light: Light = light
-            .into_iter()
-            .flat_map(|h| h.join().unwrap())
-            .collect();
+        let light: Light = light.into_iter().flat_map(|h| h.join().unwrap()).collect();
         stop.store(true, Ordering::Relaxed);
         light
     });
@@ -110,7 +113,13 @@ fn scenario(daemons: &[Daemon], run: Duration, rise: Option<(Duration, f64)>) ->
 
 /// The steady state from `from` to `to`: 429s at most 5% of the real limit, at least 85% of it
 /// served, light tenants at least 90% served.
-fn assert_settled(upstream: &FakeUpstream, light: &Light, from: Duration, to: Duration, what: &str) {
+fn assert_settled(
+    upstream: &FakeUpstream,
+    light: &Light,
+    from: Duration,
+    to: Duration,
+    what: &str,
+) {
     let secs = (to - from).as_secs_f64();
     let (ok, bounced) = upstream.seen(from, to);
     let judged: Vec<_> = light.iter().filter(|r| (from..to).contains(&r.0)).collect();
@@ -130,9 +139,21 @@ fn assert_settled(upstream: &FakeUpstream, light: &Light, from: Duration, to: Du
         judged.len(),
         light_share * 100.0,
     );
-    assert!(bounced_share <= 0.05, "{what}: 429s at {:.2}% of the limit", bounced_share * 100.0);
-    assert!(served_share >= 0.85, "{what}: served {:.1}% of the limit", served_share * 100.0);
-    assert!(light_share >= 0.90, "{what}: light tenants kept {:.1}%", light_share * 100.0);
+    assert!(
+        bounced_share <= 0.05,
+        "{what}: 429s at {:.2}% of the limit",
+        bounced_share * 100.0
+    );
+    assert!(
+        served_share >= 0.85,
+        "{what}: served {:.1}% of the limit",
+        served_share * 100.0
+    );
+    assert!(
+        light_share >= 0.90,
+        "{what}: light tenants kept {:.1}%",
+        light_share * 100.0
+    );
 }
 
 /// Settling: 20 s to learn the limit, then 40 s judged.
@@ -158,10 +179,24 @@ fn assert_found_again(upstream: &FakeUpstream, what: &str) {
         found.map(|t| t - RISE_AT),
         ok as f64 / 20.0
     );
+    println!(
+        "{what}: (served, 429s) each second from 10 s before the rise: {:?}",
+        upstream.per_second(RISE_AT - Duration::from_secs(10), end)
+    );
     let found = found.unwrap_or_else(|| panic!("{what}: 85% of the raised limit never used"));
-    assert!(found - RISE_AT <= FOUND_WITHIN, "{what}: {:?}", found - RISE_AT);
-    assert!(ok as f64 / 20.0 >= 0.85 * RAISED, "{what}: served {ok} in the last 20 s");
-    assert!(bounced as f64 / 20.0 <= 0.05 * RAISED, "{what}: {bounced} 429s in the last 20 s");
+    assert!(
+        found - RISE_AT <= FOUND_WITHIN,
+        "{what}: {:?}",
+        found - RISE_AT
+    );
+    assert!(
+        ok as f64 / 20.0 >= 0.85 * RAISED,
+        "{what}: served {ok} in the last 20 s"
+    );
+    assert!(
+        bounced as f64 / 20.0 <= 0.05 * RAISED,
+        "{what}: {bounced} 429s in the last 20 s"
+    );
 }
 
 #[test]
@@ -177,8 +212,21 @@ fn a_struggling_shared_upstream_settles_over_three_replicas_on_one_redis() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let redis = RedisServer::start();
     let cfg = config(&redis_store(&redis.url()));
-    let d = [Daemon::start(&cfg), Daemon::start(&cfg), Daemon::start(&cfg)];
+    let d = [
+        Daemon::start(&cfg),
+        Daemon::start(&cfg),
+        Daemon::start(&cfg),
+    ];
     let (upstream, light) = scenario(&d, STEADY, None);
+    for x in &d {
+        let lines = x.log_lines();
+        let bad: Vec<_> = lines
+            .iter()
+            .filter(|l| !l.contains("INFO"))
+            .take(5)
+            .collect();
+        println!("replica log: {bad:?}");
+    }
     assert_settled(&upstream, &light, SETTLE, STEADY, "three replicas on Redis");
 }
 
@@ -195,7 +243,11 @@ fn a_raised_limit_is_used_again_over_three_replicas_on_one_redis() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let redis = RedisServer::start();
     let cfg = config(&redis_store(&redis.url()));
-    let d = [Daemon::start(&cfg), Daemon::start(&cfg), Daemon::start(&cfg)];
+    let d = [
+        Daemon::start(&cfg),
+        Daemon::start(&cfg),
+        Daemon::start(&cfg),
+    ];
     let (upstream, _) = scenario(&d, RISE_AT + AFTER_RISE, Some((RISE_AT, RAISED)));
     assert_found_again(&upstream, "three replicas on Redis");
 }

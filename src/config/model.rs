@@ -193,7 +193,7 @@ impl Default for Aimd {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Probing {
     /// The wait before the first probe, and after a clean one's climb ends; doubled after each
-    /// probe that draws a 429, up to four times this.
+    /// probe that draws a 429, up to three times this.
     pub every: Duration,
     /// How far above the ceiling the first probe goes, as a share of the ceiling; doubled after
     /// each clean probe.

@@ -20,7 +20,8 @@ pub mod types;
 
 pub use shared::SharedBudgets;
 pub use tenant::{
-    AdmitRequest, AdmitResult, PollAnswer, ReleaseInfo, Released, RemoteAdaptive, RemoteAnswer,
+    AdmitRequest, AdmitResult, PollAnswer, ProbeReport, ReleaseInfo, Released, RemoteAdaptive,
+    RemoteAnswer,
     RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope, RemoteSlots,
     RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges, TenantSnapshot,
     UnknownLease, UpstreamReport,

@@ -37,9 +37,9 @@ pub const RAMP: Nanos = NS_PER_SEC;
 /// Answers that arrive this soon after a probe ended still belong to it: they were sent in it.
 pub const GRACE: Nanos = 250 * NS_PER_MS;
 /// After a clean probe, the next one comes this much later.
-pub const AFTER_CLEAN: Nanos = 2 * NS_PER_SEC;
+pub const AFTER_CLEAN: Nanos = NS_PER_SEC;
 /// The wait between probes widens up to this many times `probe_every`.
-pub const WIDEST: u64 = 4;
+pub const WIDEST: u64 = 3;
 /// How far above the ceiling a probe goes at most, as a share of the ceiling (twice it).
 pub const STEP_MAX: f64 = 1.0;
 /// A 429 this soon after the one that moved the rate answers a call sent before it: it tells
@@ -144,13 +144,11 @@ impl Probe {
         let in_probe =
             self.learned() && self.at <= now && now < self.at.saturating_add(PROBE_LEN + GRACE);
         let was_learned = self.learned();
-        if in_probe {
-            // The limit lies between the ceiling and the target: the ceiling stands, unless the
-            // upstream served less than it (it takes less than it used to).
-            if let Some(s) = served {
-                self.ceiling = self.ceiling.min(s.max(a.floor.min(1.0)));
-            }
-        } else {
+        // A probe that draws a 429 says the limit lies between the ceiling and the target: the
+        // ceiling stands. (What was served just before says nothing more: it is mostly the held
+        // rate, below the ceiling. Should the upstream now take less than the hold, a 429 at the
+        // hold teaches that.)
+        if !in_probe {
             self.ceiling = served
                 .map_or(in_force, |s| s.min(in_force))
                 .clamp(a.floor.min(1.0), 1.0);
@@ -267,6 +265,113 @@ impl Probe {
         };
         probe.plan(now.saturating_add(p.every_ns()));
         probe
+    }
+}
+
+/// The time constant of the shared store's served meter: a sum of what was served, decaying by
+/// e every second.
+pub const METER_TAU: Nanos = NS_PER_SEC;
+/// The shared store's meter is trusted once it has run this long.
+const METER_MIN_AGE: Nanos = 500 * NS_PER_MS;
+
+/// Microseconds on the store's clock as nanoseconds.
+fn ns(us: f64) -> Nanos {
+    (us.max(0.0) as u64).saturating_mul(1000)
+}
+
+/// Nanoseconds as microseconds on the store's clock.
+fn us(ns: Nanos) -> f64 {
+    (ns / 1000) as f64
+}
+
+/// A probe schedule as the shared store keeps it (every instant in microseconds on the store's
+/// clock), with the store's served meter and the version a write must find to apply.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredProbe {
+    pub probe: Probe,
+    /// The served meter: a decaying sum of multiplier-seconds, when it was last added to, and when
+    /// it (re)started.
+    pub meter: (f64, Nanos, Nanos),
+    pub version: u64,
+    /// What one answer adds to the meter: it is trusted once it holds [`METER_MIN_ANSWERS`] of
+    /// them (0: any sum).
+    pub unit: f64,
+}
+
+/// The least the shared store's meter must hold, in answers, before its rate is trusted.
+const METER_MIN_ANSWERS: f64 = 5.0;
+
+impl StoredProbe {
+    /// Reads the fields the store returned (`field(name)`; see `PROBE_FIELDS` in the script).
+    pub fn from_fields(field: impl Fn(&str) -> Option<f64>) -> StoredProbe {
+        let d = Probe::default();
+        let probe = Probe {
+            m: field("m").filter(|m| *m > 0.0 && *m <= 1.0).unwrap_or(d.m),
+            ceiling: field("c")
+                .filter(|c| *c > 0.0 && *c <= 1.0)
+                .unwrap_or(d.ceiling),
+            interval: field("iv").map_or(d.interval, ns),
+            step: field("sp").filter(|s| *s >= 0.0).unwrap_or(d.step),
+            at: field("pa").map_or(d.at, ns),
+            target: field("pt").filter(|t| *t > 0.0).unwrap_or(d.target),
+            cut_at: field("ca").map_or(d.cut_at, ns),
+            units: field("pu").filter(|u| *u >= 0.0).unwrap_or(d.units),
+        };
+        StoredProbe {
+            probe,
+            meter: (
+                field("sv").unwrap_or(0.0).max(0.0),
+                field("st").map_or(0, ns),
+                field("s0").map_or(0, ns),
+            ),
+            version: field("v").map_or(0, |v| v.max(0.0) as u64),
+            unit: 0.0,
+        }
+    }
+
+    /// The schedule's fields to write back (the meter and the version are the store's).
+    pub fn fields(&self) -> Vec<(&'static str, f64)> {
+        let p = &self.probe;
+        vec![
+            ("m", p.m),
+            ("c", p.ceiling),
+            ("iv", us(p.interval)),
+            ("sp", p.step),
+            ("pa", us(p.at)),
+            ("pt", p.target),
+            ("ca", us(p.cut_at)),
+            ("pu", p.units),
+        ]
+    }
+
+    /// What the upstream served lately, as a multiplier: the meter's sum decayed to `now`, over
+    /// what a constant rate since the meter started would have summed to; `None` while it has run
+    /// too briefly or seen too few answers to tell.
+    pub fn served(&self, now: Nanos) -> Option<f64> {
+        let (sum, last, started) = self.meter;
+        let age = now.saturating_sub(started);
+        if started == 0 || age < METER_MIN_AGE {
+            return None;
+        }
+        let tau = secs(METER_TAU);
+        let decayed = sum * (-secs(now.saturating_sub(last)) / tau).exp();
+        if decayed < METER_MIN_ANSWERS * self.unit {
+            return None;
+        }
+        let full = tau * (1.0 - (-secs(age) / tau).exp());
+        Some(decayed / full)
+    }
+
+    /// An answer the store counted (a 429 when `limited`): the changes admitd makes to the
+    /// schedule, as in memory ([`Probe::refused`], [`Probe::conclude`]). Returns whether the
+    /// schedule moved and must be written back.
+    pub fn answered(&mut self, now: Nanos, limited: bool, a: &Aimd, p: &Probing) -> bool {
+        if limited {
+            let served = self.served(now);
+            self.probe.refused(now, served, a, p)
+        } else {
+            self.probe.conclude(now, p)
+        }
     }
 }
 

@@ -117,9 +117,9 @@ fn a_429_during_a_probe_keeps_the_ceiling_cuts_and_widens_the_wait() {
     // More 429s of the same episode (sent before the cut) move nothing.
     assert!(!probe.refused(t + 12 * S, Some(0.35), &a, &p));
     assert_eq!(probe.at, t + 31_500 * MS);
-    // Each failed probe doubles the wait, up to four times probe_every.
+    // Each failed probe doubles the wait, up to three times probe_every.
     let mut at = probe.at;
-    for expected in [40, 40] {
+    for expected in [30, 30] {
         serve(&mut probe, at, at + S, 0.35);
         probe.refused(at + S, None, &a, &p);
         assert_eq!(probe.interval, expected * S);
@@ -152,7 +152,6 @@ fn a_429_while_holding_learns_a_lower_ceiling_from_what_was_served() {
 
 #[test]
 fn clean_probes_raise_the_ceiling_and_come_sooner_and_further() {
-    // (the schedule is read off the probe itself)
     let t = 100 * S;
     let mut probe = learned_at(t);
     serve(&mut probe, t, t + 10 * S, 0.3);
@@ -174,7 +173,7 @@ fn clean_probes_raise_the_ceiling_and_come_sooner_and_further() {
         ceilings.push(probe.ceiling);
         starts.push(probe.at);
     }
-    // 5%, 10%, 20%, 40%, 80% above the ceiling, 2 s after each probe's verdict, until the
+    // 5%, 10%, 20%, 40%, 80% above the ceiling, 1 s after each probe's verdict, until the
     // configured rate itself was served: then nothing is left to learn.
     let expected = [0.35, 0.385, 0.462, 0.6468, 1.0];
     assert_eq!(ceilings.len(), expected.len(), "{ceilings:?}");

@@ -65,6 +65,17 @@ impl FakeUpstream {
         })
     }
 
+    /// (served, 429) in each second from `from` to `to`, for a report.
+    pub fn per_second(&self, from: Duration, to: Duration) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut t = from;
+        while t < to {
+            out.push(self.seen(t, t + Duration::from_secs(1)));
+            t += Duration::from_secs(1);
+        }
+        out
+    }
+
     /// The first instant from `from` on at which the upstream served at least `rate` per second
     /// over the `window` that follows it, looking in steps of 100 ms up to `to`.
     pub fn first_served(
@@ -168,8 +179,14 @@ pub fn tool_call(
     }
     let a = admit_at.admit(body);
     if a.status != 200 {
-        assert_eq!(a.status, 429, "{:?}", a.body);
-        return Ended::Refused(a.body["scope"].as_str().unwrap_or("?").to_string());
+        assert!(
+            a.status == 429 || a.status == 503,
+            "{} {:?}",
+            a.status,
+            a.body
+        );
+        let scope = a.body["scope"].as_str().or(a.body["error"].as_str());
+        return Ended::Refused(scope.unwrap_or("?").to_string());
     }
     let t = Instant::now();
     let r = http
