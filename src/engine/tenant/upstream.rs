@@ -32,7 +32,7 @@ pub(super) struct UpstreamState {
     /// The last measured demand, calls (cost units) per second.
     pub(super) demand_rate: f64,
     /// Budget tokens per call to this (shared) upstream, averaged over recent calls: an answer the
-    /// upstream served counts this much towards what it takes (see [`crate::engine::adaptive::Ceiling`]).
+    /// upstream served counts this much towards what it takes (see [`crate::engine::probe`]).
     pub(super) tokens_per_call: f64,
     /// This tenant's promise cursor on the shared bucket (see [`crate::engine::bucket::AtomicBucket`]).
     pub(super) shared_promised: Nanos,
@@ -76,7 +76,8 @@ impl TenantEngine {
     }
 
     /// Forgets AIMD cuts on the call's upstreams that saw no 429 for the adaptive window: with no recent
-    /// evidence the upstream is overloaded, the configured rate applies again.
+    /// evidence the upstream is overloaded, the configured rate applies again. A shared upstream's
+    /// rate follows its probe schedule instead, which may move with time alone.
     pub(super) fn settle_cuts(
         &mut self,
         r: &Resolved,
