@@ -163,10 +163,12 @@ const SETTLE: Duration = Duration::from_secs(20);
 const STEADY: Duration = Duration::from_secs(60);
 
 /// The raised limit: 20/s for 40 s, then 40/s; 85% of it must be in use within [`FOUND_WITHIN`]
-/// (five seconds in a row at 34/s or more), and it settles there.
+/// (five seconds in a row at 34/s or more), and it settles there. The bound is the one
+/// docs/configuration.md gives: the widest wait between probes (30 s), four clean probes (17 s),
+/// and room for a probe that fails on the way up and waits again (up to 30 s).
 const RISE_AT: Duration = Duration::from_secs(40);
 const RAISED: f64 = 40.0;
-const FOUND_WITHIN: Duration = Duration::from_secs(60);
+const FOUND_WITHIN: Duration = Duration::from_secs(80);
 const AFTER_RISE: Duration = Duration::from_secs(100);
 
 fn assert_found_again(upstream: &FakeUpstream, what: &str) {
