@@ -163,7 +163,7 @@ const SETTLE: Duration = Duration::from_secs(20);
 const STEADY: Duration = Duration::from_secs(60);
 
 /// The raised limit: 20/s for 40 s, then 40/s; 85% of it must be in use within [`FOUND_WITHIN`]
-/// (five seconds in a row at 34/s or more), and it settles there. The bound is the one
+/// (five seconds in a row at 34/s or more), and it stays there on average until the end. The bound is the one
 /// docs/configuration.md gives: the widest wait between probes (30 s), four clean probes (17 s),
 /// and room for a probe that fails on the way up and waits again (up to 30 s).
 const RISE_AT: Duration = Duration::from_secs(40);
@@ -175,13 +175,15 @@ fn assert_found_again(upstream: &FakeUpstream, what: &str) {
     let window = Duration::from_secs(5);
     let end = RISE_AT + AFTER_RISE;
     let found = upstream.first_served(RISE_AT, end, window, 0.85 * RAISED);
-    let tail = end - Duration::from_secs(20);
+    // From the end of the first window at 85% to the end of the run.
+    let tail = found.map_or(end, |t| t + window).min(end);
     let (ok, bounced) = upstream.seen(tail, end);
+    let secs = (end - tail).as_secs_f64().max(1.0);
     println!(
-        "{what}: 85% of the raised limit in use {:?} after it rose; over the last 20 s the upstream \
-         served {:.1}/s and answered {bounced} 429s",
+        "{what}: 85% of the raised limit in use {:?} after it rose; from then on the upstream \
+         served {:.1}/s and answered {bounced} 429s in {secs:.1} s",
         found.map(|t| t - RISE_AT),
-        ok as f64 / 20.0
+        ok as f64 / secs
     );
     println!(
         "{what}: (served, 429s) each second from 10 s before the rise: {:?}",
@@ -194,12 +196,12 @@ fn assert_found_again(upstream: &FakeUpstream, what: &str) {
         found - RISE_AT
     );
     assert!(
-        ok as f64 / 20.0 >= 0.85 * RAISED,
-        "{what}: served {ok} in the last 20 s"
+        ok as f64 / secs >= 0.85 * RAISED,
+        "{what}: served {ok} in the {secs:.1} s after"
     );
     assert!(
-        bounced as f64 / 20.0 <= 0.05 * RAISED,
-        "{what}: {bounced} 429s in the last 20 s"
+        bounced as f64 / secs <= 0.05 * RAISED,
+        "{what}: {bounced} 429s in the {secs:.1} s after"
     );
 }
 

@@ -21,10 +21,9 @@ pub mod types;
 pub use shared::SharedBudgets;
 pub use tenant::{
     AdmitRequest, AdmitResult, PollAnswer, ProbeReport, ReleaseInfo, Released, RemoteAdaptive,
-    RemoteAnswer,
-    RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope, RemoteSlots,
-    RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges, TenantSnapshot,
-    UnknownLease, UpstreamReport,
+    RemoteAnswer, RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope,
+    RemoteSlots, RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges,
+    TenantSnapshot, UnknownLease, UpstreamReport,
 };
 pub use types::*;
 

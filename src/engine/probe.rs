@@ -154,7 +154,10 @@ impl Probe {
                 .clamp(a.floor.min(1.0), 1.0);
         }
         self.cut_at = now;
-        self.interval = if was_learned && self.interval > 0 {
+        // Only a probe that drew a 429 widens the wait. A 429 at the hold (the upstream takes
+        // less than it did, or calls bunched) teaches a new ceiling and probes again after
+        // `probe_every`, so a ceiling a bunch of calls pulled too low is soon found again.
+        self.interval = if in_probe && was_learned && self.interval > 0 {
             self.interval.saturating_mul(2).min(p.every_ns() * WIDEST)
         } else {
             p.every_ns()
