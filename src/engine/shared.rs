@@ -192,11 +192,6 @@ impl SharedUpstream {
         (old != new).then_some((old, new))
     }
 
-    /// Forgets the ceiling and its probes: the configured rate applies again. Returns (old, new).
-    pub fn forget_cut(&self, now: Nanos) -> (f64, f64) {
-        self.move_multiplier(now, |l| l.probe.forget())
-    }
-
     /// The ceiling learned from the 429s, as a multiplier of the configured rate (1: none).
     pub fn ceiling(&self) -> f64 {
         self.learned.lock().probe.ceiling
