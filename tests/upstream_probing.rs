@@ -163,7 +163,7 @@ const SETTLE: Duration = Duration::from_secs(20);
 const STEADY: Duration = Duration::from_secs(60);
 
 /// The raised limit: 20/s for 40 s, then 40/s; 85% of it must be in use within [`FOUND_WITHIN`]
-/// (five seconds in a row at 34/s or more), and it stays there on average until the end. The bound is the one
+/// (five seconds in a row at 34/s or more), and most of it stays in use until the end. The bound is the one
 /// docs/configuration.md gives: the widest wait between probes (30 s), four clean probes (17 s),
 /// and room for a probe that fails on the way up and waits again (up to 30 s).
 const RISE_AT: Duration = Duration::from_secs(40);
@@ -195,8 +195,11 @@ fn assert_found_again(upstream: &FakeUpstream, what: &str) {
         "{what}: {:?}",
         found - RISE_AT
     );
+    // After it: no flood of 429s, and most of the limit in use. Not 85% of it on average: on a
+    // busy machine a stall can bunch calls into a 429 at the hold, which teaches a lower ceiling
+    // until the next probes climb back (some 20 to 30 s at 70-80% of the limit).
     assert!(
-        ok as f64 / secs >= 0.85 * RAISED,
+        ok as f64 / secs >= 0.75 * RAISED,
         "{what}: served {ok} in the {secs:.1} s after"
     );
     assert!(
