@@ -130,3 +130,26 @@ fn check_names_the_store() {
     );
     assert!(!out.contains("s3cret") && !out.contains("admitd:"), "{out}");
 }
+
+/// The probe keys of a shared upstream are checked like every other key: a good value passes, a bad
+/// one names its file and line.
+#[test]
+fn probe_keys_are_checked() {
+    let head = "[upstreams.api]\nrate = \"60/s\"\nshared = true\n";
+    let (code, out, err) = check(&format!(
+        "{head}probe_every = \"20s\"\nprobe_step = 0.1\nprobe_hold = 0.85\n"
+    ));
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, _, err) = check(&format!("{head}probe_every = \"100ms\"\n"));
+    assert_eq!(code, 1);
+    assert!(
+        err.starts_with("admitd.toml:4: upstreams.api.probe_every must be at least 1s"),
+        "{err}"
+    );
+    let (code, _, err) = check(&format!("{head}probe_hold = 0\n"));
+    assert_eq!(code, 1);
+    assert!(
+        err.starts_with("admitd.toml:4: upstreams.api.probe_hold must be greater than 0"),
+        "{err}"
+    );
+}

@@ -7,12 +7,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::fake_upstream::{tool_call, Ended, FakeUpstream};
 use common::Daemon;
 use serde_json::json;
 
@@ -26,140 +25,6 @@ const STEADY_FROM: Duration = Duration::from_secs(10);
 const LIGHT_EVERY: Duration = Duration::from_millis(333);
 const LOOP_THREADS: usize = 4;
 
-/// A token bucket, refilled on the wall clock.
-struct TokenBucket {
-    tokens: f64,
-    at: Instant,
-}
-
-/// The fake upstream. It records when each request arrived (since the test's start) and its status.
-struct FakeUpstream {
-    addr: String,
-    log: Arc<Mutex<Vec<(Duration, u16)>>>,
-}
-
-impl FakeUpstream {
-    fn start(start: Instant) -> FakeUpstream {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let log: Arc<Mutex<Vec<(Duration, u16)>>> = Arc::default();
-        let bucket = Arc::new(Mutex::new(TokenBucket {
-            tokens: REAL_BURST,
-            at: Instant::now(),
-        }));
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming().map_while(Result::ok) {
-                let (log, bucket) = (log2.clone(), bucket.clone());
-                std::thread::spawn(move || serve(stream, start, &bucket, &log));
-            }
-        });
-        FakeUpstream { addr, log }
-    }
-
-    /// (answered 200, answered 429) among the requests that arrived in [from, to).
-    fn seen(&self, from: Duration, to: Duration) -> (usize, usize) {
-        let log = self.log.lock().unwrap();
-        let inside = log.iter().filter(|(t, _)| (from..to).contains(t));
-        inside.fold((0, 0), |(ok, bounced), (_, s)| match s {
-            200 => (ok + 1, bounced),
-            _ => (ok, bounced + 1),
-        })
-    }
-}
-
-fn serve(
-    stream: TcpStream,
-    start: Instant,
-    bucket: &Mutex<TokenBucket>,
-    log: &Mutex<Vec<(Duration, u16)>>,
-) {
-    let mut reader = BufReader::new(stream);
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut len = 0;
-        loop {
-            let mut h = String::new();
-            if reader.read_line(&mut h).unwrap_or(0) == 0 {
-                return;
-            }
-            if h.trim().is_empty() {
-                break;
-            }
-            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap_or(0);
-            }
-        }
-        let mut body = vec![0; len];
-        let _ = reader.read_exact(&mut body);
-        let status = {
-            let mut b = bucket.lock().unwrap();
-            let now = Instant::now();
-            let refill = now.duration_since(b.at).as_secs_f64() * REAL_RATE;
-            b.tokens = (b.tokens + refill).min(REAL_BURST);
-            b.at = now;
-            let status = if b.tokens >= 1.0 {
-                b.tokens -= 1.0;
-                200
-            } else {
-                429
-            };
-            log.lock().unwrap().push((start.elapsed(), status));
-            status
-        };
-        let answer = match status {
-            200 => "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
-            _ => "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 2\r\n\r\n{}",
-        };
-        if reader.get_mut().write_all(answer.as_bytes()).is_err() {
-            return;
-        }
-    }
-}
-
-/// How one tool call ended.
-#[derive(Debug, Clone, PartialEq)]
-enum Ended {
-    /// Admitted, and the upstream answered 200.
-    Served,
-    /// Admitted, and the upstream answered 429.
-    Bounced,
-    /// Refused by admitd, with this scope.
-    Refused(String),
-}
-
-/// One tool call the way an MCP server makes it: admit, call the upstream, release with its answer.
-fn tool_call(d: &Daemon, http: &reqwest::blocking::Client, upstream: &str, tenant: &str) -> Ended {
-    let a = d.admit(json!({"tenant": tenant, "subject": "agent", "tool": "query"}));
-    if a.status != 200 {
-        assert_eq!(a.status, 429, "{:?}", a.body);
-        return Ended::Refused(a.body["scope"].as_str().unwrap_or("?").to_string());
-    }
-    let t = Instant::now();
-    let r = http
-        .get(format!("http://{upstream}/v1/query"))
-        .send()
-        .expect("upstream");
-    let status = r.status().as_u16();
-    let mut release = json!({"lease_id": a.body["lease_id"], "outcome": "ok",
-        "upstream_status": status, "duration_ms": t.elapsed().as_millis() as u64});
-    if status == 429 {
-        release["outcome"] = json!("upstream_rate_limited");
-        if let Some(ra) = r.headers().get("retry-after").and_then(|v| v.to_str().ok()) {
-            release["retry_after"] = json!(ra);
-        }
-    }
-    assert_eq!(d.post("/v1/release", release).status, 200);
-    match status {
-        200 => Ended::Served,
-        429 => Ended::Bounced,
-        s => panic!("the fake upstream answered {s}"),
-    }
-}
-
 #[test]
 fn a_looping_tenant_does_not_pause_light_tenants_on_a_shared_upstream() {
     // The budget is three times what the upstream takes: only its 429s can teach admitd the truth.
@@ -170,7 +35,7 @@ fn a_looping_tenant_does_not_pause_light_tenants_on_a_shared_upstream() {
          [tools.query]\nupstream = \"api\"\n",
     ));
     let start = Instant::now();
-    let upstream = FakeUpstream::start(start);
+    let upstream = FakeUpstream::start(start, REAL_RATE, REAL_BURST);
     let stop = Arc::new(AtomicBool::new(false));
 
     // The loop: several threads on one credential, each calling again the moment it has an answer
@@ -181,7 +46,7 @@ fn a_looping_tenant_does_not_pause_light_tenants_on_a_shared_upstream() {
             std::thread::spawn(move || {
                 let http = reqwest::blocking::Client::new();
                 while !stop.load(Ordering::Relaxed) {
-                    tool_call(&d, &http, &up, "initech");
+                    tool_call(&d, &d, &http, &up, "initech", &json!({}));
                 }
             })
         })
@@ -204,7 +69,10 @@ fn a_looping_tenant_does_not_pause_light_tenants_on_a_shared_upstream() {
                     if let Some(w) = due.checked_duration_since(Instant::now()) {
                         std::thread::sleep(w);
                     }
-                    results.push((due - start, tool_call(&d, &http, &up, tenant)));
+                    results.push((
+                        due - start,
+                        tool_call(&d, &d, &http, &up, tenant, &json!({})),
+                    ));
                 }
                 results
             })

@@ -138,6 +138,8 @@ pub struct UpstreamConfig {
     pub aimd: Aimd,
     /// Client-side adaptive throttling; `None` when `adaptive_k = 0`.
     pub adaptive: Option<Adaptive>,
+    /// How a shared upstream's learned ceiling is held and probed.
+    pub probe: Probing,
 }
 
 impl Default for UpstreamConfig {
@@ -150,6 +152,7 @@ impl Default for UpstreamConfig {
             headroom: DEFAULT_HEADROOM,
             aimd: Aimd::default(),
             adaptive: Some(Adaptive::default()),
+            probe: Probing::default(),
         }
     }
 }
@@ -181,6 +184,36 @@ impl Default for Aimd {
             factor: 0.5,
             floor: 0.1,
             recover: 0.05,
+        }
+    }
+}
+
+/// How a shared upstream's rate holds below the ceiling its 429s taught and probes above it (see
+/// `engine::probe`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Probing {
+    /// The wait before the first probe, and after a clean one's climb ends; doubled after each
+    /// probe that draws a 429, up to three times this.
+    pub every: Duration,
+    /// How far above the ceiling the first probe goes, as a share of the ceiling; doubled after
+    /// each clean probe.
+    pub step: f64,
+    /// The share of the ceiling the rate holds at between probes.
+    pub hold: f64,
+}
+
+impl Probing {
+    pub fn every_ns(&self) -> u64 {
+        u64::try_from(self.every.as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+impl Default for Probing {
+    fn default() -> Self {
+        Probing {
+            every: Duration::from_secs(10),
+            step: 0.05,
+            hold: 0.9,
         }
     }
 }

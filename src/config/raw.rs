@@ -175,6 +175,9 @@ pub(super) struct RawUpstream {
     pub(super) adaptive_k: Option<S<f64>>,
     pub(super) adaptive_window: Option<S<String>>,
     pub(super) adaptive_min_requests: Option<S<i64>>,
+    pub(super) probe_every: Option<S<String>>,
+    pub(super) probe_step: Option<S<f64>>,
+    pub(super) probe_hold: Option<S<f64>>,
 }
 
 #[derive(Deserialize, Default)]

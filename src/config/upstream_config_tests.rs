@@ -347,3 +347,55 @@ fn plan_weight_errors_name_file_and_line() {
         );
     }
 }
+
+#[test]
+fn probe_keys_parse_and_default() {
+    let c = parse("[upstreams.api]\nrate = \"60/s\"\nshared = true\n");
+    assert_eq!(c.upstreams["api"].probe, Probing::default());
+    assert_eq!(
+        Probing::default(),
+        Probing {
+            every: Duration::from_secs(10),
+            step: 0.05,
+            hold: 0.9
+        }
+    );
+    let c = parse(
+        "[upstreams.api]\nrate = \"60/s\"\nshared = true\nprobe_every = \"30s\"\n\
+         probe_step = 0.1\nprobe_hold = 0.8\n",
+    );
+    let p = c.upstreams["api"].probe;
+    assert_eq!(p.every, Duration::from_secs(30));
+    assert!(close(p.step, 0.1) && close(p.hold, 0.8), "{p:?}");
+}
+
+#[test]
+fn bad_probe_values_name_file_and_line() {
+    let head = "[upstreams.api]\nrate = \"60/s\"\nshared = true\n";
+    assert_err(
+        &format!("{head}probe_every = \"500ms\"\n"),
+        4,
+        "upstreams.api.probe_every must be at least 1s",
+    );
+    assert_err(
+        &format!("{head}probe_every = \"1h\"\n"),
+        4,
+        "upstreams.api.probe_every: ",
+    );
+    assert_err(
+        &format!("{head}probe_every = \"soon\"\n"),
+        4,
+        "upstreams.api.probe_every: ",
+    );
+    assert_err(
+        &format!("{head}probe_step = 0\n"),
+        4,
+        "upstreams.api.probe_step must be greater than 0 and at most 1, not 0",
+    );
+    assert_err(
+        &format!("{head}\nprobe_hold = 1.5\n"),
+        5,
+        "upstreams.api.probe_hold must be greater than 0 and at most 1, not 1.5",
+    );
+    assert!(err(&format!("{head}probe_often = 3\n")).starts_with("t.toml:4:"));
+}

@@ -373,6 +373,25 @@ impl Validator<'_> {
                 self.count(&format!("{section}.adaptive_min_requests"), v, 0, 1_000_000)? as u64;
         }
         out.adaptive = (adaptive.k > 0.0).then_some(adaptive);
+        if let Some(v) = &u.probe_every {
+            out.probe.every = self.duration(
+                &format!("{section}.probe_every"),
+                v,
+                Duration::from_secs(600),
+            )?;
+            if out.probe.every < Duration::from_secs(1) {
+                return self.err(
+                    v.span(),
+                    format!("{section}.probe_every must be at least 1s"),
+                );
+            }
+        }
+        if let Some(v) = &u.probe_step {
+            out.probe.step = self.fraction(&format!("{section}.probe_step"), v, 0.0, 1.0)?;
+        }
+        if let Some(v) = &u.probe_hold {
+            out.probe.hold = self.fraction(&format!("{section}.probe_hold"), v, 0.0, 1.0)?;
+        }
         Ok(out)
     }
 

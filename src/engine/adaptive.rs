@@ -11,11 +11,9 @@
 //!   discovering the 429 upstream. Local refusals count as requests, so the rate of calls that reach the
 //!   upstream settles at about K times what it accepts.
 //! * **A learned ceiling** (shared upstreams). A 429 tells more than "too much": the rate the upstream
-//!   served just before it is about what it takes. The 429 sets a ceiling there (never above the rate
-//!   admitted at the time), the cut takes the rate to at most [`SETTLE`] of it, successes win the
-//!   rate back only up to that settle point, and above it the rate creeps up by [`PROBE_PER_SEC`] of the
-//!   ceiling per second. The rate settles under what the upstream takes instead of probing into it
-//!   every second, while an upstream that starts taking more is found within tens of seconds.
+//!   served just before it ([`ServedMeter`]) is about what it takes. The rate holds below that
+//!   ceiling and probes above it now and then ([`super::probe`]), so it settles under what the
+//!   upstream takes instead of probing into it every second.
 //! * **Fair share.** When tenants together want more of a shared upstream than it has, each gets its
 //!   max-min fair share (weighted by plan): a tenant that wants less than an equal share gets what it
 //!   wants and the rest is split among the others, so one tenant's loop cannot take the whole key.
@@ -141,15 +139,6 @@ pub fn aimd_recover(m: f64, a: &Aimd) -> f64 {
     }
 }
 
-/// How far below a learned ceiling the rate of a shared upstream settles: 10% under it, so that
-/// timing noise and bunched calls stay within what the upstream takes.
-pub const SETTLE: f64 = 0.9;
-
-/// How fast the rate rises above its settle point, as a share of the ceiling per second: from the
-/// settle point to the ceiling in 20 s. Slow enough that the upstream is probed two or three times a
-/// minute rather than every second, fast enough to find capacity the upstream gains.
-pub const PROBE_PER_SEC: f64 = 0.005;
-
 /// Length of one slot of a [`ServedMeter`].
 const METER_SLOT: Nanos = 100 * NS_PER_MS;
 /// How far back a [`ServedMeter`] looks: 20 slots, 2 s.
@@ -200,80 +189,6 @@ impl ServedMeter {
         let span = now.saturating_sub(first).min(METER_SLOTS * METER_SLOT);
         (answers >= METER_MIN_ANSWERS && span >= METER_MIN_SPAN)
             .then(|| units * NS_PER_SEC as f64 / span as f64)
-    }
-}
-
-/// What a shared upstream's 429s taught about its capacity, as multipliers of the configured rate.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Ceiling {
-    /// Where the upstream last refused (1 while nothing is learned).
-    pub ceiling: f64,
-    /// When the multiplier last rose: the probe above the settle point is paced from here.
-    pub raised_at: Nanos,
-    /// Answers the upstream served, to learn the ceiling from at the next 429.
-    pub served: ServedMeter,
-}
-
-impl Default for Ceiling {
-    fn default() -> Self {
-        Ceiling {
-            ceiling: 1.0,
-            raised_at: 0,
-            served: ServedMeter::default(),
-        }
-    }
-}
-
-impl Ceiling {
-    /// The multiplier that successes win back quickly; above it the rate only probes.
-    pub fn settle(&self) -> f64 {
-        (self.ceiling * SETTLE).min(1.0)
-    }
-
-    /// A 429 at multiplier `m` (of a budget configured at `configured` per second): the ceiling is
-    /// what the upstream served over the last seconds, as a multiplier, and never above `m` (nor below
-    /// the floor); without enough answers to tell, `m` itself. Returns the multiplier after the cut:
-    /// `aimd_factor` times `m`, and at most the settle point below the new ceiling.
-    pub fn refused(&mut self, m: f64, configured: f64, a: &Aimd, now: Nanos) -> f64 {
-        let served = self
-            .served
-            .rate(now)
-            .filter(|_| configured > 0.0)
-            .map(|r| r / configured);
-        self.ceiling = served.map_or(m, |s| s.min(m)).clamp(a.floor.min(1.0), 1.0);
-        self.raised_at = now;
-        if a.factor >= 1.0 {
-            // Cuts are switched off: the rate stays where it is.
-            return m;
-        }
-        (m * a.factor).min(self.settle()).max(a.floor).min(1.0)
-    }
-
-    /// A healthy answer at multiplier `m`: below the settle point, `aimd_recover` of the configured
-    /// rate back, up to the settle point; from there on, [`PROBE_PER_SEC`] of the ceiling per second
-    /// since the multiplier last rose, up to the configured rate.
-    pub fn recovered(&mut self, m: f64, a: &Aimd, now: Nanos) -> f64 {
-        let settle = self.settle();
-        let next = if m < settle {
-            aimd_recover(m, a).min(settle)
-        } else {
-            let secs = now.saturating_sub(self.raised_at) as f64 / NS_PER_SEC as f64;
-            let next = m + self.ceiling * PROBE_PER_SEC * secs;
-            if next >= 1.0 - 1e-9 {
-                1.0
-            } else {
-                next
-            }
-        };
-        if next > m {
-            self.raised_at = now;
-        }
-        next.max(m)
-    }
-
-    /// Forgets what was learned (no 429 for the adaptive window): the configured rate applies again.
-    pub fn forget(&mut self) {
-        self.ceiling = 1.0;
     }
 }
 
@@ -400,78 +315,6 @@ mod tests {
         assert!((r - 43.0 / 1.9).abs() < 1e-9, "{r}");
         // quiet for long: nothing to tell
         assert_eq!(m.rate(t0 + 10 * NS_PER_SEC), None);
-    }
-
-    fn aimd() -> Aimd {
-        Aimd {
-            factor: 0.5,
-            floor: 0.1,
-            recover: 0.05,
-        }
-    }
-
-    #[test]
-    fn a_429_learns_the_ceiling_from_what_was_served_and_cuts_below_it() {
-        let a = aimd();
-        let mut c = Ceiling::default();
-        // Nothing served yet: the ceiling is the rate at the 429, the cut the usual factor.
-        assert_eq!(c.refused(1.0, 60.0, &a, NS_PER_SEC), 0.5);
-        assert_eq!(c.ceiling, 1.0);
-        // 20/s served for 2 s of a budget configured at 60/s: the ceiling is a third, and the cut
-        // goes to the settle point below it (lower than half of 1).
-        let mut c = Ceiling::default();
-        let t0 = 10 * NS_PER_SEC;
-        for i in 0..40 {
-            c.served.record(t0 + i * 50 * NS_PER_MS, 1.0);
-        }
-        let now = t0 + 2 * NS_PER_SEC;
-        let m = c.refused(1.0, 60.0, &a, now);
-        assert!((c.ceiling - 1.0 / 3.0).abs() < 1e-9, "{}", c.ceiling);
-        assert!((m - 0.3).abs() < 1e-9, "{m}");
-        // The ceiling is never above the rate admitted at the 429 (a burst served above it says
-        // nothing about a sustained rate), and never below the floor.
-        let mut c2 = c.clone();
-        assert_eq!(c2.refused(0.2, 60.0, &a, now), 0.1);
-        assert_eq!(c2.ceiling, 0.2);
-        let mut c3 = c.clone();
-        assert_eq!(c3.refused(1.0, 1000.0, &a, now), 0.1);
-        assert_eq!(c3.ceiling, 0.1);
-        // aimd_factor = 1 switches the cut off (the ceiling is still learned)
-        let mut c4 = c.clone();
-        let off = Aimd { factor: 1.0, ..a };
-        assert_eq!(c4.refused(0.8, 60.0, &off, now), 0.8);
-    }
-
-    #[test]
-    fn recovery_stops_at_the_settle_point_and_then_only_probes() {
-        let a = aimd();
-        let mut c = Ceiling {
-            ceiling: 0.4,
-            raised_at: 0,
-            served: ServedMeter::default(),
-        };
-        assert!((c.settle() - 0.36).abs() < 1e-12);
-        // below the settle point, aimd_recover per healthy answer, up to it
-        let mut m = 0.2;
-        for expected in [0.25, 0.3, 0.35, 0.36, 0.36] {
-            m = c.recovered(m, &a, NS_PER_SEC);
-            assert!((m - expected).abs() < 1e-9, "{m} vs {expected}");
-        }
-        // above it, 0.5% of the ceiling per second, however many answers there are
-        let mut t = NS_PER_SEC;
-        for _ in 0..100 {
-            t += 100 * NS_PER_MS;
-            m = c.recovered(m, &a, t);
-        }
-        assert!((m - (0.36 + 0.4 * 0.005 * 10.0)).abs() < 1e-9, "{m}");
-        // one answer after 10 quiet seconds probes as far as ten seconds of answers would
-        let m2 = c.recovered(m, &a, t + 10 * NS_PER_SEC);
-        assert!((m2 - (m + 0.02)).abs() < 1e-9, "{m2}");
-        // the probe never goes past the configured rate
-        assert_eq!(c.recovered(m2, &a, t + 1000 * NS_PER_SEC), 1.0);
-        // forgetting restores the configured rate as the ceiling
-        c.forget();
-        assert_eq!((c.ceiling, c.settle()), (1.0, 0.9));
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod labels;
 pub mod leases;
 pub mod lint;
 pub mod poll;
+pub mod probe;
 pub mod refusal;
 pub mod rng;
 pub mod shared;
@@ -19,10 +20,10 @@ pub mod types;
 
 pub use shared::SharedBudgets;
 pub use tenant::{
-    AdmitRequest, AdmitResult, PollAnswer, ReleaseInfo, Released, RemoteAdaptive, RemoteAnswer,
-    RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope, RemoteSlots,
-    RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges, TenantSnapshot,
-    UnknownLease, UpstreamReport,
+    AdmitRequest, AdmitResult, PollAnswer, ProbeReport, ReleaseInfo, Released, RemoteAdaptive,
+    RemoteAnswer, RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope,
+    RemoteSlots, RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges,
+    TenantSnapshot, UnknownLease, UpstreamReport,
 };
 pub use types::*;
 

@@ -20,11 +20,12 @@ use arc_swap::ArcSwap;
 
 use parking_lot::Mutex;
 
-use super::adaptive::{self, Ceiling, SreWindow};
+use super::adaptive::{self, ServedMeter, SreWindow};
 use super::bucket::{AtomicBucket, Gcra};
 use super::durable::{valid_multiplier, Instants, UpstreamDurable};
+use super::probe::Probe;
 use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
-use crate::config::{Aimd, Config};
+use crate::config::{Aimd, Config, Probing};
 
 /// Looked up per admission by upstream and tenant name (shares), so with a fast hasher.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
@@ -64,6 +65,13 @@ impl Share {
     }
 }
 
+/// What a shared upstream's answers taught: its probe schedule and what it served lately.
+#[derive(Debug, Default)]
+struct Learned {
+    probe: Probe,
+    served: ServedMeter,
+}
+
 /// One shared upstream's state.
 #[derive(Debug)]
 pub struct SharedUpstream {
@@ -82,9 +90,12 @@ pub struct SharedUpstream {
     multiplier: AtomicU64,
     /// When the last 429 arrived.
     last_429: AtomicU64,
-    /// The ceiling the 429s taught, and what the upstream served since; every change of the
+    /// The ceiling the 429s taught, its probes, and what the upstream served; every change of the
     /// multiplier is made under this lock, so a cut and a recovery never interleave.
-    learned: Mutex<Ceiling>,
+    learned: Mutex<Learned>,
+    /// When the multiplier next changes with time alone (a probe starts or ends): until then an
+    /// admission reads the multiplier without taking the lock.
+    next_change: AtomicU64,
     sre: Mutex<SreWindow>,
     fair: Mutex<FairBoard>,
     /// Each tenant's fair share, while the upstream is contended (empty otherwise).
@@ -101,7 +112,8 @@ impl Default for SharedUpstream {
             retry_stagger: AtomicU64::new(0),
             multiplier: AtomicU64::new(1.0f64.to_bits()),
             last_429: AtomicU64::new(0),
-            learned: Mutex::new(Ceiling::default()),
+            learned: Mutex::new(Learned::default()),
+            next_change: AtomicU64::new(Nanos::MAX),
             sre: Mutex::new(SreWindow::default()),
             fair: Mutex::new(FairBoard::default()),
             shares: ArcSwap::from_pointee(HashMap::default()),
@@ -123,47 +135,71 @@ impl SharedUpstream {
         self.last_429.fetch_max(now, Ordering::AcqRel);
     }
 
-    /// Applies `f` to the multiplier and what was learned, under the lock; returns (old, new).
-    fn move_multiplier(&self, f: impl FnOnce(f64, &mut Ceiling) -> f64) -> (f64, f64) {
+    /// Applies `f` to what was learned, under the lock, and puts the multiplier in force at `now`
+    /// in place; returns (old, new).
+    fn move_multiplier(&self, now: Nanos, f: impl FnOnce(&mut Learned)) -> (f64, f64) {
         let mut learned = self.learned.lock();
         let old = self.multiplier();
-        let new = f(old, &mut learned);
+        f(&mut learned);
+        let new = learned.probe.multiplier(now);
         self.multiplier.store(new.to_bits(), Ordering::Release);
+        self.next_change
+            .store(learned.probe.next_change(now), Ordering::Release);
         (old, new)
     }
 
-    /// A 429 that opens a new penalty episode: learns the ceiling from what the upstream served (a
-    /// budget configured at `configured` per second) and cuts the multiplier below it. Returns (old,
-    /// new) multiplier. A 429 during a running penalty answers a call sent before it started, and
-    /// tells nothing new: the caller does not cut again for it.
-    pub fn aimd_refused(&self, configured: f64, a: &Aimd, now: Nanos) -> (f64, f64) {
-        self.move_multiplier(|m, learned| learned.refused(m, configured, a, now))
+    /// A 429 (a budget configured at `configured` per second): what the upstream served over the
+    /// last seconds is its ceiling, or a probe above the ceiling failed (see [`Probe::refused`]).
+    /// Returns (old, new) multiplier. A 429 during a running penalty answers a call sent before it
+    /// started, and tells nothing new: the caller does not report it.
+    pub fn aimd_refused(&self, configured: f64, a: &Aimd, p: &Probing, now: Nanos) -> (f64, f64) {
+        self.move_multiplier(now, |l| {
+            let served = l
+                .served
+                .rate(now)
+                .filter(|_| configured > 0.0)
+                .map(|r| r / configured);
+            l.probe.refused(now, served, a, p);
+        })
     }
 
-    /// A healthy answer worth `units` of the budget: counted as served, and the multiplier wins back
-    /// towards the settle point below the ceiling (see [`Ceiling::recovered`]). Returns (old, new).
-    pub fn aimd_served(&self, units: f64, a: &Aimd, now: Nanos) -> (f64, f64) {
-        self.move_multiplier(|m, learned| {
-            learned.served.record(now, units);
-            if m < 1.0 {
-                learned.recovered(m, a, now)
-            } else {
-                m
+    /// A healthy answer worth `units` of a budget configured at `configured` per second: counted as
+    /// served, towards a running probe, and as a step back towards the hold (see
+    /// [`Probe::served`]). Returns (old, new).
+    pub fn aimd_served(
+        &self,
+        units: f64,
+        configured: f64,
+        a: &Aimd,
+        p: &Probing,
+        now: Nanos,
+    ) -> (f64, f64) {
+        self.move_multiplier(now, |l| {
+            l.served.record(now, units);
+            if configured > 0.0 {
+                l.probe.served(now, units / configured, a, p);
             }
         })
     }
 
-    /// No 429 for the adaptive window: the cut and the ceiling are forgotten. Returns (old, new).
-    pub fn forget_cut(&self) -> (f64, f64) {
-        self.move_multiplier(|_, learned| {
-            learned.forget();
-            1.0
-        })
+    /// The multiplier at `now`, when a probe started or ended since it was last put in place:
+    /// (old, new), else `None`.
+    pub fn tick(&self, now: Nanos) -> Option<(f64, f64)> {
+        if now < self.next_change.load(Ordering::Acquire) {
+            return None;
+        }
+        let (old, new) = self.move_multiplier(now, |_| {});
+        (old != new).then_some((old, new))
     }
 
     /// The ceiling learned from the 429s, as a multiplier of the configured rate (1: none).
     pub fn ceiling(&self) -> f64 {
-        self.learned.lock().ceiling
+        self.learned.lock().probe.ceiling
+    }
+
+    /// The probe schedule as it stands (for tests and snapshots).
+    pub fn probe(&self) -> Probe {
+        self.learned.lock().probe.clone()
     }
 
     pub fn sre_record(&self, now: Nanos, window_ns: u64, accepted: bool) {
@@ -400,7 +436,7 @@ impl SharedBudgets {
                 u.penalise(at.now, until);
             }
             if let Some(m) = valid_multiplier(k.multiplier) {
-                u.multiplier.store(m.to_bits(), Ordering::Release);
+                u.move_multiplier(at.now, |l| l.probe = Probe::holding(m, at.now, &c.probe));
             }
             if let Some(t) = k.last_429_ms {
                 u.note_429(at.to_mono(t));

@@ -1485,23 +1485,38 @@ fn the_shared_rate_learns_its_ceiling_from_what_was_served_and_settles_below_it(
     let u = sim.upstream(&e, "api");
     assert_close(u.multiplier, 0.3, "settle point");
     assert_close(u.effective_rate.unwrap(), 18.0, "effective rate");
-    // Healthy answers at the settle point only probe: 0.5% of the ceiling (0.1/s) per second.
-    for _ in 0..100 {
+    // Healthy answers at the hold move nothing until the first probe, 10 s after the 429: then the
+    // rate is 5% above the ceiling (21/s) for 3 s, and back at the hold after it.
+    let t429 = sim.now();
+    for _ in 0..99 {
         sim.advance_ms(100);
         let l = sim.lease(&mut e, &call("a", "call"));
         sim.release(&mut e, l, &ok());
+        assert_close(
+            sim.upstream(&e, "api").effective_rate.unwrap(),
+            18.0,
+            "held",
+        );
     }
+    sim.advance_to(t429 + 10 * SEC);
+    sim.lease(&mut e, &call("a", "call"));
     assert_close(
         sim.upstream(&e, "api").effective_rate.unwrap(),
-        18.0 + 10.0 * 0.1,
-        "after 10 s of probing",
+        21.0,
+        "probing",
     );
-    // Two minutes without a 429: the ceiling is forgotten with the cut.
+    sim.advance_to(t429 + 13 * SEC);
+    sim.lease(&mut e, &call("a", "call"));
+    assert_close(
+        sim.upstream(&e, "api").effective_rate.unwrap(),
+        18.0,
+        "after the probe",
+    );
+    // Two minutes without a 429 forget nothing: the probes find the capacity again.
     sim.advance_ms(121_000);
     let l = sim.lease(&mut e, &call("a", "call"));
     sim.release(&mut e, l, &ok());
-    assert_eq!(sim.upstream(&e, "api").multiplier, 1.0);
-    assert_eq!(api.ceiling(), 1.0);
+    assert!((api.ceiling() - 1.0 / 3.0).abs() < 1e-9);
 }
 
 /// The upstream's own limit on the fake clock: a token bucket.
@@ -1543,25 +1558,33 @@ enum Next {
     Answered { lease: u64, served: bool },
 }
 
-#[test]
-fn a_loop_on_a_shared_upstream_sized_too_high_leaves_light_tenants_their_calls() {
-    // The upstream takes 20/s (burst 10); admitd is told 60/s. The loop keeps four calls in flight
-    // and tries again every 5 ms; two light tenants call 3 times a second each, and wait up to 2 s.
-    // Every upstream call takes 20 ms. 60 s, judged from 20 s on.
+/// What one simulated second of [`loop_run`] saw: calls the upstream served and answered 429, and
+/// the light tenants' calls and how many of them the upstream served.
+#[derive(Debug, Default, Clone, Copy)]
+struct Second {
+    served: u64,
+    bounced: u64,
+    light_calls: u64,
+    light_served: u64,
+}
+
+/// The loop scenario on the fake clock, for `secs` seconds: the upstream takes `limit(second)`
+/// calls/s (burst 10) and admitd is told 60/s. The loop keeps four calls in flight and tries again
+/// every 5 ms; two light tenants call 3 times a second each, and wait up to 2 s. Every upstream
+/// call takes 20 ms. Returns what each second saw.
+fn loop_run(sim: &Sim, secs: u64, limit: impl Fn(u64) -> f64) -> Vec<Second> {
     const TICK: u64 = 5 * MS;
     const LATENCY: u64 = 20 * MS;
-    let sim = Sim::new(&roomy(LOOP_CFG));
     let mut engines = [sim.engine("loop"), sim.engine("acme"), sim.engine("globex")];
-    let mut upstream = RealLimit::new(20.0, 10.0, sim.now());
+    let mut upstream = RealLimit::new(limit(0), 10.0, sim.now());
     let t0 = sim.now();
-    let judged = t0 + 20 * SEC;
     let mut events: Vec<(Nanos, usize, Next)> = Vec::new();
     let mut loop_in_flight = 0;
-    let (mut served, mut bounced) = (0u64, 0u64);
-    let (mut light_calls, mut light_served) = (0u64, 0u64);
-    let mut loop_paused = 0u64;
-    for tick in 0..(60 * SEC / TICK) {
+    let mut seconds = vec![Second::default(); secs as usize];
+    for tick in 0..(secs * SEC / TICK) {
         let now = t0 + tick * TICK;
+        let second = (tick * TICK / SEC) as usize;
+        upstream.rate = limit(second as u64);
         sim.advance_to(now);
         // What is due, in time order.
         events.sort_by_key(|e| std::cmp::Reverse(e.0));
@@ -1574,11 +1597,10 @@ fn a_loop_on_a_shared_upstream_sized_too_high_leaves_light_tenants_their_calls()
                         continue; // shed at the end of its hold: a light call lost
                     }
                     let ok = upstream.serves(now);
-                    let (s, b) = (u64::from(ok), u64::from(!ok));
-                    if now >= judged {
-                        (served, bounced) = (served + s, bounced + b);
-                        light_served += s;
-                    }
+                    let s = &mut seconds[second];
+                    s.served += u64::from(ok);
+                    s.bounced += u64::from(!ok);
+                    s.light_served += u64::from(ok);
                     let lease = Next::Answered { lease, served: ok };
                     events.push((now + LATENCY, who, lease));
                 }
@@ -1596,27 +1618,18 @@ fn a_loop_on_a_shared_upstream_sized_too_high_leaves_light_tenants_their_calls()
             }
         }
         if loop_in_flight < 4 {
-            match &sim.decide(&mut engines[0], &call("bot", "call")).verdict {
-                Verdict::Admitted(a) => {
-                    let ok = upstream.serves(now);
-                    if now >= judged {
-                        (served, bounced) = (served + u64::from(ok), bounced + u64::from(!ok));
-                    }
-                    loop_in_flight += 1;
-                    events.push((
-                        now + LATENCY,
-                        0,
-                        Next::Answered {
-                            lease: a.lease,
-                            served: ok,
-                        },
-                    ));
-                }
-                Verdict::Shed(s) => {
-                    if s.scope == Scope::UpstreamPenalty && now >= judged {
-                        loop_paused += 1;
-                    }
-                }
+            if let Verdict::Admitted(a) = &sim.decide(&mut engines[0], &call("bot", "call")).verdict
+            {
+                let ok = upstream.serves(now);
+                let s = &mut seconds[second];
+                s.served += u64::from(ok);
+                s.bounced += u64::from(!ok);
+                loop_in_flight += 1;
+                let lease = Next::Answered {
+                    lease: a.lease,
+                    served: ok,
+                };
+                events.push((now + LATENCY, 0, lease));
             }
         }
         for who in [1, 2] {
@@ -1625,31 +1638,76 @@ fn a_loop_on_a_shared_upstream_sized_too_high_leaves_light_tenants_their_calls()
                 continue;
             }
             let d = sim.decide(&mut engines[who], &call("agent", "call").wait_ms(2000));
-            if now >= judged {
-                light_calls += 1;
-            }
+            seconds[second].light_calls += 1;
             if let Verdict::Admitted(a) = &d.verdict {
                 events.push((now + a.hold_ns, who, Next::HoldEnds { lease: a.lease }));
             }
         }
     }
-    let secs = 40.0;
+    seconds
+}
+
+/// The sum of `seconds[from..to]`.
+fn total(seconds: &[Second], from: usize, to: usize) -> Second {
+    seconds[from..to]
+        .iter()
+        .fold(Second::default(), |t, s| Second {
+            served: t.served + s.served,
+            bounced: t.bounced + s.bounced,
+            light_calls: t.light_calls + s.light_calls,
+            light_served: t.light_served + s.light_served,
+        })
+}
+
+#[test]
+fn a_loop_on_a_shared_upstream_sized_too_high_leaves_light_tenants_their_calls() {
+    // Five minutes on an upstream that takes 20/s, judged from 20 s on: long enough for the probe
+    // schedule to widen to its widest and probe many times.
+    let sim = Sim::new(&roomy(LOOP_CFG));
+    let seconds = loop_run(&sim, 300, |_| 20.0);
+    let t = total(&seconds, 20, 300);
+    let secs = 280.0;
     let (light_share, bounced_share, served_share) = (
-        light_served as f64 / light_calls as f64,
-        bounced as f64 / secs / 20.0,
-        served as f64 / secs / 20.0,
+        t.light_served as f64 / t.light_calls as f64,
+        t.bounced as f64 / secs / 20.0,
+        t.served as f64 / secs / 20.0,
     );
-    let u = sim.upstream(&engines[0], "api");
+    let api = sim.shared.upstream("api").unwrap();
     eprintln!(
-        "light tenants kept {light_served} of {light_calls} calls; the upstream served {served} \
-         and answered 429 to {bounced} (429s {:.1}% of its limit, served {:.1}% of it); the loop \
-         was refused by the penalty {loop_paused} times; multiplier {:.3}, ceiling {:.3}",
+        "light tenants kept {} of {} calls; the upstream served {} and answered 429 to {} (429s \
+         {:.2}% of its limit, served {:.1}% of it); probe {:?}",
+        t.light_served,
+        t.light_calls,
+        t.served,
+        t.bounced,
         bounced_share * 100.0,
         served_share * 100.0,
-        u.multiplier,
-        sim.shared.upstream("api").unwrap().ceiling()
+        api.probe()
     );
     assert!(light_share >= 0.99, "light tenants kept {light_share}");
-    assert!(bounced_share <= 0.02, "429s: {bounced_share} of the limit");
+    assert!(bounced_share <= 0.01, "429s: {bounced_share} of the limit");
     assert!(served_share >= 0.85, "served {served_share} of the limit");
+}
+
+#[test]
+fn a_raised_limit_is_found_again_within_a_minute() {
+    // 20/s for two minutes (the probe schedule is at its widest), then 40/s.
+    let sim = Sim::new(&roomy(LOOP_CFG));
+    let seconds = loop_run(&sim, 240, |s| if s < 120 { 20.0 } else { 40.0 });
+    // The first second from which five seconds in a row served at least 85% of 40/s.
+    let found = (120..235).find(|&s| total(&seconds, s, s + 5).served >= 5 * 34);
+    let after = total(&seconds, 180, 240);
+    eprintln!(
+        "85% of the raised limit used {:?} s after it rose; then served {:.1}/s with {} 429s \
+         in 60 s; probe {:?}",
+        found.map(|s| s - 120),
+        after.served as f64 / 60.0,
+        after.bounced,
+        sim.shared.upstream("api").unwrap().probe()
+    );
+    let found = found.expect("85% of the raised limit never used");
+    assert!(found - 120 <= 60, "{} s", found - 120);
+    // and it settles there again
+    assert!(after.served as f64 / 60.0 >= 34.0, "{after:?}");
+    assert!(after.bounced as f64 / 60.0 <= 0.4, "{after:?}");
 }

@@ -29,6 +29,7 @@
 --   task     make a lease an MCP task (its end at the task TTL) and schedule its first poll
 --   poll     check a task's poll against its schedule; schedule the next one when on time
 --   renew    move a live lease's end (and its slots') to its TTL after now
+--   probe    write the probe schedule of an upstream admitd computed, unless it moved meanwhile
 
 local op = ARGV[1]
 local spec, extra -- the operation's spec and lease data, set for each operation of a batch
@@ -84,11 +85,19 @@ local function write_bucket(key, s, at, ...)
   end
 end
 
--- The AIMD multiplier of an upstream state hash (1 once a cut is older than `forget`).
-local function multiplier(key, forget)
+-- The AIMD multiplier of an upstream state hash (1 once a cut is older than `forget`). A hash that
+-- holds a probe schedule (`pa`, written by the `probe` operation; src/engine/probe.rs computes it)
+-- is never forgotten: its multiplier is the probe's target `pt` from `pa` for `pl` microseconds
+-- (when that is above `m`), else `m`.
+local function multiplier(key, forget, pl)
   if key == nil or key == '' then return 1 end
-  local h = redis.call('HMGET', key, 'm', 'cut')
+  local h = redis.call('HMGET', key, 'm', 'cut', 'pa', 'pt')
   local m, cut = num(h[1], 1), num(h[2], 0)
+  if h[3] then
+    local pa = num(h[3], 0)
+    if pl and pa > 0 and pa <= now and now < pa + pl then return math.max(num(h[4], m), m) end
+    return m
+  end
   if now - cut > forget then return 1 end
   return m
 end
@@ -132,7 +141,7 @@ end
 local function read_layers(layers, forget)
   local out = {}
   for i, l in ipairs(layers) do
-    local m = multiplier(l.m, l.f or forget)
+    local m = multiplier(l.m, l.f or forget, l.pl)
     local T = l.T / m
     local tau = l.b * T
     local inc = math.floor(l.n * T)
@@ -208,6 +217,49 @@ local function sre_record(key, window, requests, accepts)
   if accepts > 0 then redis.call('HINCRBY', key, 'a:' .. slot, accepts) end
 end
 
+-- The fields of a probe schedule (src/engine/probe.rs) as a state hash holds them, and its version.
+local PROBE_FIELDS = {'m', 'c', 'iv', 'sp', 'pa', 'pt', 'ca', 'pu', 'sv', 'st', 's0', 'v'}
+
+-- An answer from an upstream whose rate is probed (`u.pr`: {h = hold, pl = probe length, rp = the
+-- probe's uncounted ramp, tau = the served meter's time constant}; `u.q`: what one answer is worth,
+-- in multiplier-seconds). The script only counts: a healthy answer goes into the served meter (a
+-- sum decaying with `tau`, restarted at `s0` after a quiet spell), into the running probe past its
+-- ramp, and wins `u.ar` back up to the hold. Every other change (a cut, a verdict on a probe, the
+-- next probe) admitd computes from the fields returned here and writes with the `probe` operation.
+local function probe_answer(u, limited)
+  local pr = u.pr
+  local h = redis.call('HMGET', u.s, 'm', 'c', 'pa', 'pu', 'sv', 'st', 's0')
+  local m, c, pa, pu = num(h[1], 1), num(h[2], 1), num(h[3], 0), num(h[4], 0)
+  local sv, st, s0 = num(h[5], 0), num(h[6], 0), num(h[7], 0)
+  if not limited then
+    if now - st > 5 * pr.tau then
+      sv, s0 = 0, now
+    else
+      sv = sv * math.exp(-(now - st) / pr.tau)
+    end
+    local f = {'sv', fmt(sv + u.q), 'st', fmt(now), 's0', fmt(s0)}
+    if pa > 0 then
+      if pa + pr.rp <= now and now < pa + pr.pl then
+        f[#f + 1], f[#f + 2] = 'pu', fmt(pu + u.q)
+      end
+      local hold = math.min(c * pr.h, 1)
+      if m < hold then
+        m = m + u.ar
+        if m >= 1 - 1e-9 then m = 1 end
+        f[#f + 1], f[#f + 2] = 'm', fmt(math.min(m, hold))
+      end
+    end
+    redis.call('HSET', u.s, unpack(f))
+  end
+  local out = {}
+  local v = redis.call('HMGET', u.s, unpack(PROBE_FIELDS))
+  for i, k in ipairs(PROBE_FIELDS) do
+    if v[i] then out[k] = tonumber(v[i]) end
+  end
+  out.now = now
+  return cjson.encode({u = u, st = out})
+end
+
 -- An upstream's answer: a 429 starts (or extends) its penalty, cuts its AIMD rate and counts as a
 -- refusal in its adaptive window; any other answer recovers the rate and counts as an accept.
 -- `u`: {p = penalty key, s = state key, af, afl, ar (AIMD factor, floor, recover), aw (adaptive
@@ -224,7 +276,10 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
       expire_at(u.p, untl + HORIZON)
     end
   end
-  if u.af then
+  local probe = ''
+  if u.pr then
+    probe = probe_answer(u, limited)
+  elseif u.af then
     local h = redis.call('HMGET', u.s, 'm', 'cut')
     local m, cut = num(h[1], 1), num(h[2], 0)
     if now - cut > u.forget then m = 1 end
@@ -243,7 +298,7 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
   if u.af or (u.aw and u.aw > 0) then
     expire_at(u.s, now + math.max(u.forget, u.aw or 0) + GRACE)
   end
-  return penalty
+  return penalty, probe
 end
 
 local function op_decide()
@@ -341,8 +396,7 @@ local function op_decide()
       local cursor, wait, booked = promise_at(s.p, s.tat, 0, s.inc, s.tau)
       if booked == 0 then
         write_bucket(l.k, s, math.max(cursor, s.tat) + GRACE, 'p', fmt(cursor))
-      end
-      for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
+      end      for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
       local r = shed('layer', wait, booked, 0, i, layer_report(spec.layers, st, false))
       r[#r + 1] = fmt(s.m)
       return r
@@ -447,12 +501,12 @@ local function op_release()
       redis.call('HSET', q, l.day, fmt(math.max(used - d.cost, 0)))
     end
   end
-  local penalty = 0
+  local penalty, probe = 0, ''
   local ups = d.up
   if spec.report then
     for i, u in ipairs(ups) do
       if i == 1 and not u.x then
-        penalty = upstream_answer(u, spec.limited, spec.retry_after, spec.default_penalty)
+        penalty, probe = upstream_answer(u, spec.limited, spec.retry_after, spec.default_penalty)
       end
     end
   end
@@ -469,12 +523,22 @@ local function op_release()
     name = ups[1].n or ''
     if ups[1].x then cross = cjson.encode(ups[1]) end
   end
-  return {'released', fmt(penalty), d.subject, d.tool, name, cross, l.hold_until, fmt(now)}
+  return {'released', fmt(penalty), d.subject, d.tool, name, cross, l.hold_until, fmt(now), probe}
 end
 
 local function op_upstream()
-  local penalty = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty)
-  return {'ok', fmt(penalty)}
+  local penalty, probe = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty)
+  return {'ok', fmt(penalty), probe}
+end
+
+-- Writes a probe schedule admitd computed (`spec.f`: field, value pairs) into the state hash
+-- `spec.s`, unless another replica moved it since it was read (its version is no longer `spec.v`):
+-- then that replica's change stands, and this one is dropped. Keeps the hash for `spec.keep`.
+local function op_probe()
+  if num(redis.call('HGET', spec.s, 'v'), 0) ~= spec.v then return {'stale'} end
+  redis.call('HSET', spec.s, 'v', fmt(spec.v + 1), unpack(spec.f))
+  expire_at(spec.s, now + spec.keep)
+  return {'ok'}
 end
 
 local function op_refund()
@@ -506,10 +570,7 @@ local function op_snapshot()
     out.pens[i] = num(redis.call('HGET', k, 'until'), 0)
   end
   for i, k in ipairs(spec.ups) do
-    local h = redis.call('HMGET', k, 'm', 'cut')
-    local m = num(h[1], 1)
-    if now - num(h[2], 0) > spec.forget then m = 1 end
-    out.ups[i] = m
+    out.ups[i] = multiplier(k, spec.forget, spec.pl)
   end
   return cjson.encode(out)
 end
@@ -609,7 +670,7 @@ local function op_renew()
 end
 
 local ops = {decide = op_decide, release = op_release, upstream = op_upstream, refund = op_refund,
-  snapshot = op_snapshot, task = op_task, poll = op_poll, renew = op_renew}
+  snapshot = op_snapshot, task = op_task, poll = op_poll, renew = op_renew, probe = op_probe}
 
 local function run(name, body, data)
   local f = ops[name]

@@ -605,6 +605,9 @@ impl RedisStore {
             return Ok(None);
         }
         let mut penalty_us: f64 = parts[1].parse().unwrap_or(0.0);
+        if let Some(probe) = parts.get(8) {
+            self.write_probe(&tenant, probe, limited).await;
+        }
         // A shared upstream in a cluster: its state lives on another shard.
         if !parts[5].is_empty() && info.is_some() {
             if let Ok(u) = serde_json::from_str::<Value>(&parts[5]) {
@@ -617,6 +620,9 @@ impl RedisStore {
                 {
                     if let Ok(p) = strings(v) {
                         penalty_us = p.get(1).and_then(|x| x.parse().ok()).unwrap_or(penalty_us);
+                        if let Some(probe) = p.get(2) {
+                            self.write_probe(&tenant, probe, limited).await;
+                        }
                     }
                 }
             }
@@ -662,7 +668,30 @@ impl RedisStore {
                 .await?,
         )?;
         let us: f64 = parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0);
+        if let Some(probe) = parts.get(2) {
+            self.write_probe(&tenant, probe, limited).await;
+        }
         Ok((us > 0.0).then(|| Duration::from_micros(us as u64)))
+    }
+
+    /// After an answer the script counted towards a probed upstream (`answer`: the probe part of
+    /// its reply), writes the schedule admitd computed from it, when it moved. The write applies
+    /// only if no other replica moved the schedule since the script read it; a lost write is
+    /// dropped (the other replica's change already answers the same evidence), and so is a failed
+    /// one: the next answer tries again.
+    async fn write_probe(self: &Arc<Self>, tenant: &str, answer: &str, limited: bool) {
+        if answer.is_empty() {
+            return;
+        }
+        let Some((_, spec)) = spec::probe_write(answer, limited) else {
+            return;
+        };
+        let route = if self.cfg.cluster {
+            format!("{}:route", self.keys.cross_base())
+        } else {
+            self.keys.tenant_base(tenant)
+        };
+        let _ = self.invoke(&route, "probe", spec, String::new()).await;
     }
 
     /// Reads a tenant's state for its snapshot.
@@ -698,7 +727,7 @@ impl RedisStore {
             "max_subjects": 100,
             "pens": if self.cfg.cluster { up_keys(false).0 } else { pens.clone() },
             "ups": if self.cfg.cluster { up_keys(false).1 } else { ups.clone() },
-            "forget": 120e6,
+            "forget": 120e6, "pl": spec::PROBE_LEN_US,
         });
         let v = self
             .invoke(&base, "snapshot", spec.to_string(), String::new())
@@ -724,7 +753,7 @@ impl RedisStore {
             let spec = json!({
                 "tenant": "", "tenant_slots": "", "tenant_quota": "", "subject_bucket": "",
                 "subject_slots": "", "subject_quota": "", "index": "", "max_subjects": 0,
-                "pens": pens, "ups": ups, "forget": 120e6,
+                "pens": pens, "ups": ups, "forget": 120e6, "pl": spec::PROBE_LEN_US,
             });
             let route = format!("{}:route", self.keys.cross_base());
             let v = self

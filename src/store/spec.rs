@@ -5,10 +5,16 @@ use serde::Serialize;
 
 use super::keys::Keys;
 use super::redis::StoreError;
+use crate::config::{Aimd, Probing};
+use crate::engine::probe::{self, StoredProbe};
 use crate::engine::{RemoteAnswer, RemoteCall, RemoteScope, StateKey, UpstreamReport};
 
 /// How long an upstream's AIMD cut is remembered when the call does not say (microseconds).
 const FORGET_US: f64 = 120e6;
+/// The probe schedule's constants as the script gets them (microseconds).
+pub(super) const PROBE_LEN_US: f64 = (probe::PROBE_LEN / 1000) as f64;
+const PROBE_RAMP_US: f64 = (probe::RAMP / 1000) as f64;
+const METER_TAU_US: f64 = (probe::METER_TAU / 1000) as f64;
 
 /// The spec of the part of `call` whose keys are cross-tenant (`cross`) or the tenant's own, and
 /// what its lease keeps for the release. `split`: whether the call is split in two parts (a
@@ -37,6 +43,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
                 .as_ref()
                 .map_or(String::new(), |m| keys.key(tenant, m)),
             f: l.forget_us,
+            pl: PROBE_LEN_US,
         });
     }
     let local_index = |global: usize| {
@@ -177,6 +184,98 @@ pub(super) fn report_spec<'a>(
         af: u.aimd.map(|a| a.0),
         afl: u.aimd.map(|a| a.1),
         ar: u.aimd.map(|a| a.2),
+        q: u.probe.as_ref().map(|p| p.units),
+        pr: u
+            .probe
+            .as_ref()
+            .filter(|_| u.aimd.is_some())
+            .map(|p| ProbeSpec {
+                h: p.probing.hold,
+                e: p.probing.every.as_micros() as f64,
+                sp: p.probing.step,
+                pl: PROBE_LEN_US,
+                rp: PROBE_RAMP_US,
+                tau: METER_TAU_US,
+            }),
+    }
+}
+
+/// A probed upstream's constants, as the script reads them (see `probe_answer` in the script) and
+/// hands them back with the state it counted.
+#[derive(Serialize, serde::Deserialize, Debug, Clone, Copy, PartialEq)]
+pub(super) struct ProbeSpec {
+    /// `probe_hold`, `probe_every` (microseconds) and `probe_step`.
+    h: f64,
+    e: f64,
+    sp: f64,
+    pl: f64,
+    rp: f64,
+    tau: f64,
+}
+
+/// What the script answered about a probed upstream: the report it was given back, and the state
+/// it counted.
+#[derive(serde::Deserialize)]
+struct ProbeAnswer {
+    u: ProbeAnswerReport,
+    st: std::collections::HashMap<String, f64>,
+}
+
+#[derive(serde::Deserialize)]
+struct ProbeAnswerReport {
+    s: String,
+    af: f64,
+    afl: f64,
+    ar: f64,
+    pr: ProbeSpec,
+    forget: f64,
+    #[serde(default)]
+    aw: f64,
+    #[serde(default)]
+    q: f64,
+}
+
+/// The `probe` operation to send after an answer the script counted (`answer`: the probe part of
+/// its reply), when the schedule moves; `None` when nothing moves (or the part is empty or
+/// unreadable).
+pub(super) fn probe_write(answer: &str, limited: bool) -> Option<(String, String)> {
+    let a: ProbeAnswer = serde_json::from_str(answer).ok()?;
+    let now = (a.st.get("now").copied()?.max(0.0) as u64).saturating_mul(1000);
+    let mut stored = StoredProbe::from_fields(|k| a.st.get(k).copied());
+    stored.unit = a.u.q;
+    let aimd = Aimd {
+        factor: a.u.af,
+        floor: a.u.afl,
+        recover: a.u.ar,
+    };
+    let probing = Probing {
+        every: std::time::Duration::from_micros(a.u.pr.e.max(1e6) as u64),
+        step: a.u.pr.sp,
+        hold: a.u.pr.h,
+    };
+    if !stored.answered(now, limited, &aimd, &probing) {
+        return None;
+    }
+    let mut f = Vec::new();
+    for (k, v) in stored.fields() {
+        f.push(serde_json::Value::from(k));
+        f.push(serde_json::Value::from(fmt_num(v)));
+    }
+    let spec = serde_json::json!({
+        "s": a.u.s,
+        "v": stored.version,
+        "f": f,
+        "keep": a.u.forget.max(a.u.aw) + 1e6,
+    });
+    Some((a.u.s, spec.to_string()))
+}
+
+/// A number as the script writes it: integers without a fraction.
+fn fmt_num(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 9e15 {
+        format!("{}", x as i64)
+    } else {
+        format!("{x:.17e}")
     }
 }
 
@@ -222,6 +321,8 @@ struct LayerSpec {
     hold: bool,
     m: String,
     f: f64,
+    /// How long a probe lasts (microseconds), for a state hash that holds a probe schedule.
+    pl: f64,
 }
 
 #[derive(Serialize)]
@@ -305,6 +406,10 @@ pub(super) struct ReportSpec<'a> {
     afl: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     ar: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    q: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pr: Option<ProbeSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

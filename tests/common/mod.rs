@@ -2,6 +2,7 @@
 //! stranger's client would.
 #![allow(dead_code)]
 
+pub mod fake_upstream;
 pub mod redis;
 
 use std::io::{BufRead, BufReader, Write};

@@ -124,6 +124,18 @@ pub struct UpstreamReport {
     /// The adaptive window in microseconds (0: off).
     pub adaptive_window_us: f64,
     pub forget_us: f64,
+    /// How the rate of a shared upstream with a budget is held and probed (see
+    /// [`crate::engine::probe`]); `None` for the others, whose rate follows plain AIMD.
+    pub probe: Option<ProbeReport>,
+}
+
+/// What the store needs to count an answer towards a probed rate, and admitd to plan the next probe.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProbeReport {
+    pub probing: crate::config::Probing,
+    /// What one healthy answer is worth, in multiplier-seconds: its budget tokens over the
+    /// configured rate per second.
+    pub units: f64,
 }
 
 impl UpstreamReport {
@@ -329,7 +341,19 @@ impl TenantEngine {
         let upstreams = r
             .upstream
             .iter()
-            .map(|up| self.upstream_report(up))
+            .map(|up| {
+                let mut report = self.upstream_report(up);
+                // A served answer of this call is worth its tokens on the upstream's budget.
+                let units = r
+                    .upstreams
+                    .iter()
+                    .find(|(u, _)| u == up)
+                    .map_or(1.0, |(_, n)| *n);
+                if let Some(p) = &mut report.probe {
+                    p.units *= (r.cost * units).max(0.0);
+                }
+                report
+            })
             .collect();
         let run = self.run_times.estimate(&r.subject, &r.tool);
         let lease = self.rng.next_u64();
@@ -371,6 +395,14 @@ impl TenantEngine {
                 .map(|c| (c.aimd.factor, c.aimd.floor, c.aimd.recover)),
             adaptive_window_us: window as f64 * US_PER_NS,
             forget_us: forget_after(window) as f64 * US_PER_NS,
+            probe: cfg
+                .filter(|c| c.shared)
+                .and_then(|c| c.bucket.map(|b| (c, b.rate.per_sec)))
+                .filter(|(_, per_sec)| *per_sec > 0.0)
+                .map(|(c, per_sec)| ProbeReport {
+                    probing: c.probe,
+                    units: 1.0 / per_sec,
+                }),
         }
     }
 

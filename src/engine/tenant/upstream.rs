@@ -32,7 +32,7 @@ pub(super) struct UpstreamState {
     /// The last measured demand, calls (cost units) per second.
     pub(super) demand_rate: f64,
     /// Budget tokens per call to this (shared) upstream, averaged over recent calls: an answer the
-    /// upstream served counts this much towards what it takes (see [`crate::engine::adaptive::Ceiling`]).
+    /// upstream served counts this much towards what it takes (see [`crate::engine::probe`]).
     pub(super) tokens_per_call: f64,
     /// This tenant's promise cursor on the shared bucket (see [`crate::engine::bucket::AtomicBucket`]).
     pub(super) shared_promised: Nanos,
@@ -76,7 +76,8 @@ impl TenantEngine {
     }
 
     /// Forgets AIMD cuts on the call's upstreams that saw no 429 for the adaptive window: with no recent
-    /// evidence the upstream is overloaded, the configured rate applies again.
+    /// evidence the upstream is overloaded, the configured rate applies again. A shared upstream's
+    /// rate follows its probe schedule instead, which may move with time alone.
     pub(super) fn settle_cuts(
         &mut self,
         r: &Resolved,
@@ -89,9 +90,10 @@ impl TenantEngine {
             };
             let (forget, spec) = (forget_after(adaptive_window(cfg)), cfg.bucket);
             if cfg.shared {
+                // A shared upstream's cut is not forgotten with time: its probes find the capacity
+                // again (see `engine::probe`). A probe that starts or ends moves its rate here.
                 if let (Some(s), Some(spec)) = (self.shared.upstream(up), spec) {
-                    if s.multiplier() < 1.0 && now.saturating_sub(s.last_429()) > forget {
-                        let (old, new) = s.forget_cut();
+                    if let Some((old, new)) = s.tick(now) {
                         s.bucket
                             .rescale(now, &scaled(spec, old), &scaled(spec, new));
                     }
@@ -304,7 +306,8 @@ impl TenantEngine {
                 if let Some(s) = &shared {
                     s.note_429(now);
                     if new_episode {
-                        let (old, new) = s.aimd_refused(spec.rate.per_sec, &cfg.aimd, now);
+                        let (old, new) =
+                            s.aimd_refused(spec.rate.per_sec, &cfg.aimd, &cfg.probe, now);
                         s.bucket
                             .rescale(now, &scaled(spec, old), &scaled(spec, new));
                     }
@@ -394,7 +397,8 @@ impl TenantEngine {
                     .upstreams
                     .get(upstream)
                     .map_or(1.0, |u| u.tokens_per_call);
-                let (old, new) = s.aimd_served(units, &cfg.aimd, now);
+                let (old, new) =
+                    s.aimd_served(units, spec.rate.per_sec, &cfg.aimd, &cfg.probe, now);
                 if new != old {
                     s.bucket
                         .rescale(now, &scaled(spec, old), &scaled(spec, new));
