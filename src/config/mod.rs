@@ -25,6 +25,7 @@ pub mod listen;
 mod model;
 mod raw;
 pub mod server_auth;
+mod spend;
 mod state;
 pub mod store;
 mod tasks;
@@ -41,6 +42,9 @@ pub use lint::near_misses;
 pub use listen::{ListenAddr, SocketOptions};
 pub use model::*;
 pub use server_auth::{IdentityKey, ServerAuth};
+pub use spend::{
+    valid_unit_name, SpendBudgets, SpendConfig, SpendUnit, DEFAULT_RUN_IDLE, MAX_SPEND_UNITS,
+};
 pub use state::{OverloadConfig, StateConfig};
 pub use store::{OnError, StoreConfig, StoreKind};
 pub use tasks::TasksConfig;

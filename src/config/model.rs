@@ -364,6 +364,8 @@ pub struct Config {
     pub tasks: super::TasksConfig,
     /// `[advice]`: the traffic kept for `GET /v1/advice`.
     pub advice: super::AdviceConfig,
+    /// `[spend.*]` with the tools' estimates and the plans' budgets.
+    pub spend: super::SpendConfig,
 }
 
 /// `[tenants.NAME]`.
@@ -445,6 +447,7 @@ impl Default for Config {
             store: super::store::StoreConfig::default(),
             tasks: Default::default(),
             advice: super::AdviceConfig::default(),
+            spend: super::SpendConfig::default(),
         }
     }
 }
@@ -535,6 +538,17 @@ impl Config {
         }
         for u in out.upstreams.values_mut() {
             u.bucket = u.bucket.map(bucket);
+        }
+        let budgets = |b: &mut super::SpendBudgets| {
+            for x in [&mut b.tenant_daily, &mut b.subject_daily, &mut b.run] {
+                *x = x.map(|x| x / n);
+            }
+        };
+        for u in &mut out.spend.units {
+            budgets(&mut u.budgets);
+        }
+        for p in out.spend.plans.values_mut() {
+            p.iter_mut().for_each(|(_, b)| budgets(b));
         }
         out
     }

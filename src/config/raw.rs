@@ -99,6 +99,7 @@ pub(super) struct RawConfig {
     pub(super) store: Option<super::store::RawStore>,
     pub(super) tasks: Option<super::tasks::RawTasks>,
     pub(super) advice: Option<super::advice::RawAdvice>,
+    pub(super) spend: Option<BTreeMap<String, S<super::spend::RawSpendUnit>>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -142,6 +143,7 @@ pub(super) struct RawPlan {
     pub(super) tenant: Option<RawLayer>,
     pub(super) weight: Option<S<f64>>,
     pub(super) global: Option<RawLayer>,
+    pub(super) spend: Option<super::spend::RawPlanSpend>,
 }
 
 #[derive(Deserialize, Default)]
@@ -158,6 +160,7 @@ pub(super) struct RawTool {
     pub(super) upstreams: Option<S<BTreeMap<String, S<f64>>>>,
     pub(super) rate: Option<S<String>>,
     pub(super) burst: Option<S<f64>>,
+    pub(super) spend: Option<super::spend::RawToolSpend>,
 }
 
 #[derive(Deserialize, Default)]

@@ -416,6 +416,9 @@ impl Validator<'_> {
         let tenant_ok = layer("limits.tenant", l.tenant, &mut cfg.limits.tenant);
         let global_ok = layer("limits.global", l.global, &mut cfg.limits.global);
 
+        let spend_units = raw.spend.unwrap_or_default();
+        cfg.spend.units = self.spend_units(&spend_units, &mut first);
+
         let plans = raw.plans.unwrap_or_default();
         let subject_base = subject_ok.then_some(&cfg.limits.subject);
         let tenant_base = tenant_ok.then_some(&cfg.limits.tenant);
@@ -426,9 +429,21 @@ impl Validator<'_> {
         cfg.tenants = first.each(&raw.tenants.unwrap_or_default(), |name, tenant| {
             self.tenant(name, tenant, &plans)
         });
-        cfg.tools = first.each(&raw.tools.unwrap_or_default(), |name, tool| {
-            self.tool(name, tool)
-        });
+        let tools = raw.tools.unwrap_or_default();
+        cfg.tools = first.each(&tools, |name, tool| self.tool(name, tool));
+        let units = &cfg.spend.units;
+        let tool_spend = tools
+            .iter()
+            .filter_map(|(n, t)| Some((n, t.get_ref().spend.as_ref()?)));
+        cfg.spend.tools = tool_spend
+            .filter_map(|(n, s)| Some((n.clone(), first.note(self.tool_spend(n, s, units))?)))
+            .collect();
+        let plan_spend = plans
+            .iter()
+            .filter_map(|(n, p)| Some((n, p.get_ref().spend.as_ref()?)));
+        cfg.spend.plans = plan_spend
+            .filter_map(|(n, s)| Some((n.clone(), first.note(self.plan_spend(n, s, units))?)))
+            .collect();
         cfg.upstreams = first.each(&raw.upstreams.unwrap_or_default(), |name, up| {
             self.name("upstream", name, up.span())?;
             self.upstream(&format!("upstreams.{name}"), up.span(), up.get_ref())
