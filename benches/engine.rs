@@ -108,6 +108,7 @@ fn request(subject: &str, tool: &str) -> AdmitRequest {
         cost: None,
         max_wait_ns: MAX_WAIT_NS,
         returning: false,
+        spend: None,
     }
 }
 

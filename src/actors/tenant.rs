@@ -245,6 +245,7 @@ impl TenantActor {
         if let Some(r) = &self.remote {
             gauges.tasks = r.tasks;
         }
+        gauges.spend_settled = self.engine.take_settled_spend();
         self.shared.telemetry.tenant_event(TenantEvent::Gauges {
             tenant: self.engine.tenant().clone(),
             gauges,
@@ -837,6 +838,7 @@ mod tests {
             cost: None,
             max_wait_ns: 0,
             returning: false,
+            spend: None,
         }
     }
 

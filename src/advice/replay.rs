@@ -91,6 +91,7 @@ pub fn replay(period: &Period, cfg: &Config, wall_end_ms: i64) -> Vec<WouldShed>
             cost: Some(c.cost()),
             max_wait_ns: max_wait,
             returning: false,
+            spend: None,
         };
         let refused = match engine.admit(&req, now, wall(now)) {
             AdmitResult::Decided(d) => match d.verdict {

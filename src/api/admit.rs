@@ -107,6 +107,7 @@ pub async fn admit(
         cost: None,
         max_wait_ns: 0,
         returning: false,
+        spend: None,
     };
     let tenant = &*b.tenant;
     let task = b.task;
@@ -912,6 +913,7 @@ pub(super) mod tests {
             retryable: true,
             reason: "rate limit reached".into(),
             message: "Wait 4 seconds".into(),
+            spend: None,
         };
         let v = serde_json::to_value(shed_body(&s)).unwrap();
         assert_eq!(v["admitted"], false);

@@ -472,6 +472,7 @@ async fn admit_at_edge(
         cost: None,
         max_wait_ns: 0,
         returning: false,
+        spend: None,
     };
     let reply = shared
         .admit(tenant, req, started)

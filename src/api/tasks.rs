@@ -112,6 +112,7 @@ fn early(wait_ns: u64) -> Response {
         retryable: true,
         reason: refusal::reason(Scope::TaskPoll).to_string(),
         message: refusal::message(Scope::TaskPoll, retry_after_ms, &cx),
+        spend: None,
     };
     let mut r = json(
         StatusCode::TOO_MANY_REQUESTS,

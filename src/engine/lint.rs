@@ -56,6 +56,7 @@ pub fn never_fitting_tools(cfg: &Arc<Config>) -> Vec<NeverFits> {
                 cost: None,
                 max_wait_ns: 0,
                 returning: false,
+                spend: None,
             };
             if let Some((cost, limit)) = engine.never_fits(&req) {
                 found.push(NeverFits {

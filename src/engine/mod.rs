@@ -15,20 +15,23 @@ pub mod refusal;
 pub mod rng;
 pub mod shared;
 pub mod slots;
+pub mod spend;
 pub mod tenant;
 pub mod types;
 
 pub use shared::SharedBudgets;
 pub use tenant::{
-    AdmitRequest, AdmitResult, PollAnswer, ProbeReport, ReleaseInfo, Released, RemoteAdaptive,
-    RemoteAnswer, RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty, RemoteQuota, RemoteScope,
-    RemoteSlots, RemoteSnapshotPlan, RemoteSnapshotState, StateKey, TenantEngine, TenantGauges,
-    TenantSnapshot, UnknownLease, UpstreamReport,
+    AdmitRequest, AdmitResult, CallSpend, PollAnswer, ProbeReport, ReleaseInfo, Released,
+    RemoteAdaptive, RemoteAnswer, RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty,
+    RemoteQuota, RemoteScope, RemoteSlots, RemoteSnapshotPlan, RemoteSnapshotState, Settlement,
+    StateKey, TenantEngine, TenantGauges, TenantSnapshot, UnknownLease, UpstreamReport,
 };
 pub use types::*;
 
 #[cfg(test)]
 mod durable_tests;
+#[cfg(test)]
+mod spend_tests;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]

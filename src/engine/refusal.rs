@@ -113,6 +113,7 @@ pub fn reason(scope: Scope) -> &'static str {
         Scope::Adaptive => "upstream is rejecting requests",
         Scope::Oversized => "call larger than the limit",
         Scope::TaskPoll => "task polled sooner than told",
+        Scope::Spend => "spend budget used up",
     }
 }
 
@@ -186,6 +187,10 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
             text,
             "The {up} service is rejecting most requests right now, so this call was not sent to it. Retrying at once will not help. {retry} {FORWARD}"
         ),
+        Scope::Spend => write!(
+            text,
+            "The daily spending budget of {who} is used up; it resets at midnight UTC. {retry} Calls before then will be refused. Tell the user that this step must wait until the budget resets, and continue with the results you already have."
+        ),
         Scope::Oversized => write!(
             text,
             "This call is too large to ever fit its limit (it costs {} units; the limit is {}). Waiting will not help and retrying it unchanged will fail again. Make the request smaller, for example ask for fewer items or a narrower range, or tell the user it cannot be done in one call.",
@@ -198,6 +203,43 @@ pub fn message(scope: Scope, retry_after_ms: u64, cx: &RefusalContext<'_>) -> St
         ),
     };
     text
+}
+
+/// The text of a refusal by a spend budget: it names the unit (with its currency symbol when the
+/// config gives one), the budget and what is left, and whether waiting helps. A run's budget never
+/// refills, so the model is told to go on with what it has or ask the user; a daily budget resets at
+/// midnight UTC, and the wait is given like every other wait.
+pub fn spend_message(
+    unit: &crate::config::SpendUnit,
+    short: &super::spend::SpendShort,
+    retry_after_ms: u64,
+) -> String {
+    use super::spend::SpendBudget;
+    let size = unit.amount(short.size);
+    let left = if short.remaining > 0.0 {
+        format!("{} is left", unit.amount(short.remaining))
+    } else if short.remaining < 0.0 {
+        format!("it is overspent by {}", unit.amount(-short.remaining))
+    } else {
+        "nothing is left".to_string()
+    };
+    let needs = unit.amount(short.estimate);
+    match short.budget {
+        SpendBudget::Run => format!(
+            "The budget of {size} for this task is spent ({left}; this call needs about {needs}). Waiting will not help and retrying will be refused the same way for the rest of this task. Continue with the results you already have, or ask the user whether to spend more on this task."
+        ),
+        SpendBudget::SubjectDaily | SpendBudget::TenantDaily => {
+            let who = if short.budget == SpendBudget::TenantDaily {
+                "this account"
+            } else {
+                "this agent"
+            };
+            format!(
+                "The daily budget of {size} for {who} is spent ({left}; this call needs about {needs}); it resets at midnight UTC. {} Calls before then will be refused. Tell the user that this step must wait until the budget resets, and continue with the results you already have.",
+                Retry(whole_seconds(retry_after_ms).max(1))
+            )
+        }
+    }
 }
 
 /// A number as a person writes it: whole numbers without decimals, fractions with two, and numbers

@@ -25,6 +25,7 @@ pub fn call(subject: &str, tool: &str) -> AdmitRequest {
         cost: None,
         max_wait_ns: 0,
         returning: false,
+        spend: None,
     }
 }
 

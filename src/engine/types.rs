@@ -19,10 +19,12 @@ pub enum Scope {
     Oversized,
     /// An MCP task's status was polled sooner than it was told (`POST /v1/tasks/poll`).
     TaskPoll,
+    /// A spend budget (money, tokens, ...) cannot hold the call's estimate.
+    Spend,
 }
 
 impl Scope {
-    pub const ALL: [Scope; 11] = [
+    pub const ALL: [Scope; 12] = [
         Scope::Subject,
         Scope::SubjectTool,
         Scope::Tenant,
@@ -34,6 +36,7 @@ impl Scope {
         Scope::Adaptive,
         Scope::Oversized,
         Scope::TaskPoll,
+        Scope::Spend,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -49,6 +52,7 @@ impl Scope {
             Scope::Adaptive => "adaptive",
             Scope::Oversized => "oversized",
             Scope::TaskPoll => "task_poll",
+            Scope::Spend => "spend",
         }
     }
 }
@@ -109,6 +113,24 @@ pub struct Resolved {
     /// Every upstream the call spends, with the units it charges per unit of cost.
     pub upstreams: Vec<(Arc<str>, f64)>,
     pub cost: f64,
+    /// The call's run and estimate per spend unit; `None` when no `[spend.*]` is configured.
+    pub spend: Option<Box<ResolvedSpend>>,
+}
+
+/// A call's spend once the estimates were resolved (the call's own, else its tool's, else the
+/// unit's), one per configured unit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResolvedSpend {
+    pub run: Option<Arc<str>>,
+    pub estimates: super::spend::Figures,
+}
+
+/// Which spend budget refused a call, for the refusal's `unit`, `budget` and `remaining`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpendRefusal {
+    pub unit: Arc<str>,
+    pub budget: super::spend::SpendBudget,
+    pub remaining: f64,
 }
 
 impl Resolved {
@@ -131,6 +153,8 @@ pub struct Shed {
     pub reason: String,
     /// Text for the model (the MCP tool result).
     pub message: String,
+    /// For a refusal by a spend budget (`scope: "spend"`): which one.
+    pub spend: Option<Box<SpendRefusal>>,
 }
 
 /// An admission.
@@ -147,6 +171,8 @@ pub struct Admitted {
     pub would_shed: Option<Shed>,
     /// Admitted without any check: the shared store did not answer and `on_error = "fail_open"`.
     pub unchecked: bool,
+    /// What the call reserved per spend unit and what is left (`None` without `[spend.*]`).
+    pub spend: Option<Box<[super::spend::SpendView]>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -64,6 +64,7 @@ impl Lease {
             upstream: primary_upstream(&upstreams),
             upstreams,
             cost: self.cost,
+            spend: None,
         }
     }
 }
@@ -86,8 +87,28 @@ impl TenantEngine {
         now: Nanos,
         wall_ms: i64,
     ) -> Result<Released, UnknownLease> {
+        self.release_settled(lease, info, &Settlement::default(), now, wall_ms)
+    }
+
+    /// [`TenantEngine::release`] with what the call actually spent: its spend per unit and its
+    /// cost in cost units (see [`Settlement`]).
+    pub fn release_settled(
+        &mut self,
+        lease: u64,
+        info: &ReleaseInfo,
+        settle: &Settlement,
+        now: Nanos,
+        wall_ms: i64,
+    ) -> Result<Released, UnknownLease> {
         self.last_active = now;
         let l = self.leases.remove(lease).ok_or(UnknownLease)?;
+        let cancelled = info.outcome == Outcome::Cancelled;
+        self.settle_spend(lease, &settle.spent, cancelled, now, wall_ms);
+        // A shadow-mode stand-in lease (no slots) took nothing to settle.
+        if let (Some(cost), true) = (settle.cost, l.slots) {
+            let r = l.resolved(self.labels.as_deref());
+            self.settle_cost(&r, cost, now, wall_ms);
+        }
         if l.slots {
             self.free_slots(&l.subject, now);
             // What frees a slot is the release: the run the server reports, or the time the slot
@@ -137,6 +158,7 @@ impl TenantEngine {
         wall_ms: i64,
     ) -> Result<Vec<(u64, Decision)>, UnknownLease> {
         let l = self.leases.remove(lease).ok_or(UnknownLease)?;
+        self.settle_spend(lease, &[], refund, now, wall_ms);
         if let Some(charge) = l.charge.as_ref().filter(|_| refund) {
             let r = l.resolved(self.labels.as_deref());
             let plan = self.plan(&r);
@@ -307,6 +329,8 @@ impl TenantEngine {
             self.expiries.pop();
             if self.leases.get(id).is_some_and(|l| l.expires == at) {
                 if let Some(l) = self.leases.remove(id) {
+                    // An expired lease's estimate stands as spent.
+                    self.settle_spend(id, &[], false, now, wall_ms);
                     if l.slots {
                         self.free_slots(&l.subject, now);
                         let label = l.subject_label(self.labels.as_deref());

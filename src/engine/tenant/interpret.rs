@@ -62,6 +62,7 @@ impl TenantEngine {
             retryable: false,
             reason: refusal::reason(Scope::Oversized).to_string(),
             message: refusal::message(Scope::Oversized, 0, &cx),
+            spend: None,
         })
     }
 
@@ -141,6 +142,7 @@ impl TenantEngine {
             retryable: true,
             reason: refusal::reason(scope).to_string(),
             message: refusal::message(scope, retry_after_ms, &cx),
+            spend: None,
         }
     }
 
@@ -246,6 +248,7 @@ impl TenantEngine {
                     mode: Mode::Shadow,
                     would_shed: Some(shed),
                     unchecked: false,
+                    spend: None,
                 })
             }
         };

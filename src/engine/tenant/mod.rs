@@ -37,6 +37,7 @@ mod plan;
 mod promises;
 mod remote;
 mod snapshot;
+mod spend;
 mod store;
 mod subjects;
 mod tasks;
@@ -78,6 +79,7 @@ use super::refusal::{self, RefusalContext};
 use super::rng::Rng;
 use super::shared::{SharedBudgets, SharedUpstream};
 use super::slots::{self, RunTimeBook, SlotPromise};
+use super::spend::{SpendLedger, SpendView};
 use super::types::*;
 use crate::clock::{ceil_ms, ms_until_utc_midnight, utc_day, Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::{BucketSpec, Config, Mode, TenantLimits, UpstreamConfig};
@@ -98,6 +100,23 @@ pub struct AdmitRequest {
     /// behalf, see the API's admission): it may be held into promised tokens, since its own is
     /// among them, where any other call is held only behind every promise.
     pub returning: bool,
+    /// The call's run and spend estimates, when it names either (boxed: most calls do not).
+    pub spend: Option<Box<CallSpend>>,
+}
+
+/// What a call says about its spend: the agent run it belongs to, and its own estimates by unit name.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CallSpend {
+    pub run: Option<CompactString>,
+    pub estimates: SmallVec<[(CompactString, f64); 2]>,
+}
+
+/// What a release reports beyond [`ReleaseInfo`]: the call's actual spend per unit, and its actual
+/// cost in cost units.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Settlement {
+    pub spent: SmallVec<[(CompactString, f64); 2]>,
+    pub cost: Option<f64>,
 }
 
 /// The engine's answer to an admission request.
@@ -178,6 +197,8 @@ pub struct TenantEngine {
     returning: bool,
     /// Renewed leases and MCP tasks (see [`tasks`]).
     tasks: Tasks,
+    /// Spend reserved and settled: the tenant's and subjects' days, runs, live reservations.
+    spend: SpendLedger,
 }
 
 impl TenantEngine {
@@ -208,6 +229,7 @@ impl TenantEngine {
             last_active: 0,
             returning: false,
             tasks: Tasks::default(),
+            spend: SpendLedger::default(),
         }
     }
 
@@ -365,6 +387,17 @@ impl TenantEngine {
             );
             return self.refuse(r, plan, shed, now);
         }
+        let spend = match r.spend.as_deref() {
+            None => None,
+            Some(sp) => match self.spend_check(&r.subject, sp, day, now) {
+                Ok(views) => Some(views),
+                Err(short) => {
+                    self.free_slots(&r.subject, now);
+                    let shed = self.spend_shed(&r, &short, wall_ms);
+                    return self.refuse(r, plan, shed, now);
+                }
+            },
+        };
         let mut charge = Charge {
             cost: r.cost,
             quota_day: day,
@@ -437,6 +470,18 @@ impl TenantEngine {
             _ => self.expiries.push_late(expires, lease),
         }
         self.next_expiry = self.next_expiry.min(expires);
+        if let Some(sp) = r.spend.as_deref() {
+            let units = &self.policy.cfg.spend.units;
+            self.spend.reserve(
+                lease,
+                &r.subject,
+                sp.run.as_ref(),
+                &sp.estimates,
+                day,
+                now,
+                units,
+            );
+        }
         Decision {
             verdict: Verdict::Admitted(Admitted {
                 lease,
@@ -445,6 +490,7 @@ impl TenantEngine {
                 mode: self.policy.cfg.server.mode,
                 would_shed: None,
                 unchecked: false,
+                spend: spend.map(|v: SmallVec<[SpendView; 2]>| v.into_vec().into_boxed_slice()),
             }),
             resolved: r,
             layers,

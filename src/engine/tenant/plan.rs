@@ -93,6 +93,10 @@ pub(super) struct Policy {
     /// The global bucket of the tenant's plan, when the plan overrides `[limits.global]`; else the
     /// tenant passes the shared one.
     pub(super) plan_global: Option<Arc<AtomicBucket>>,
+    /// Each spend unit's budgets for this tenant (its plan's applied), by unit index.
+    pub(super) spend: Vec<crate::config::SpendBudgets>,
+    /// Each spend unit's name, shared by every answer that names it.
+    pub(super) spend_names: Vec<Arc<str>>,
 }
 
 impl Policy {
@@ -105,6 +109,15 @@ impl Policy {
             global_g: Gcra::new(global),
             plan_global: plan.map(|p| shared.plan_global(p)),
             weight: cfg.tenant_weight(tenant),
+            spend: cfg
+                .spend
+                .budgets(cfg.tenants.get(tenant).and_then(|t| t.plan.as_deref())),
+            spend_names: cfg
+                .spend
+                .units
+                .iter()
+                .map(|u| Arc::from(u.name.as_str()))
+                .collect(),
             limits,
             cfg,
         }
@@ -131,6 +144,26 @@ pub(super) fn upstream_configs<'a>(cfg: &'a Config, r: &Resolved) -> UpstreamCon
         .collect()
 }
 
+/// A call's estimate per unit: its own (`spend` in the request), else its tool's, else the unit's.
+/// A unit the config does not know (it changed since the request was checked) is ignored.
+fn resolve_spend(cfg: &Config, req: &AdmitRequest) -> Box<ResolvedSpend> {
+    let own = req.spend.as_deref();
+    let estimates = cfg
+        .spend
+        .units
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            own.and_then(|o| o.estimates.iter().find(|(n, _)| *n == u.name))
+                .map(|(_, x)| *x)
+                .or_else(|| cfg.spend.tool_estimate(&req.tool, i))
+                .unwrap_or(u.estimate)
+        })
+        .collect();
+    let run = own.and_then(|o| o.run.as_deref()).map(Arc::from);
+    Box::new(ResolvedSpend { run, estimates })
+}
+
 impl TenantEngine {
     /// Applies tool defaults: upstreams (the request's, else the tool's), then cost.
     pub fn resolve(&mut self, req: &AdmitRequest) -> Resolved {
@@ -153,6 +186,8 @@ impl TenantEngine {
             .or_else(|| tool.and_then(|t| t.cost))
             .unwrap_or(1.0);
         let (subject, subject_label) = self.subject_names(&req.subject);
+        // Looked at only when spend units are configured: without them a call carries no spend.
+        let spend = (!cfg.spend.is_empty()).then(|| resolve_spend(&cfg, req));
         Resolved {
             subject,
             subject_label,
@@ -160,6 +195,7 @@ impl TenantEngine {
             upstream,
             upstreams,
             cost,
+            spend,
         }
     }
 

@@ -432,6 +432,7 @@ impl TenantEngine {
                         mode,
                         would_shed: None,
                         unchecked: false,
+                        spend: None,
                     }),
                     resolved: r,
                     layers,
@@ -487,6 +488,7 @@ impl TenantEngine {
                         mode,
                         would_shed: Some(shed),
                         unchecked: false,
+                        spend: None,
                     }),
                 };
                 RemoteOutcome::Decided(Decision {
@@ -510,6 +512,7 @@ impl TenantEngine {
                 mode: self.policy.cfg.server.mode,
                 would_shed: None,
                 unchecked: true,
+                spend: None,
             }),
             resolved: r,
             layers: Vec::new(),
@@ -650,6 +653,8 @@ impl RemoteSnapshotPlan {
             subjects,
             penalties,
             upstreams,
+            spend: Vec::new(),
+            spend_runs: None,
         }
     }
 }

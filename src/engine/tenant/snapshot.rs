@@ -31,6 +31,23 @@ pub struct TenantGauges {
     pub quota_limit: Option<f64>,
     /// MCP tasks in flight.
     pub tasks: u64,
+    /// Per spend unit: (unit, spent today, the tenant's daily budget).
+    pub spend: Vec<(Arc<str>, f64, Option<f64>)>,
+    /// Spend settled since the previous report, per unit (for the spend counter).
+    pub spend_settled: Vec<(Arc<str>, f64)>,
+}
+
+/// One spend unit as the tenant snapshot shows it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct SpendSnapshot {
+    pub unit: String,
+    /// Reserved and settled today (UTC) by the whole tenant.
+    pub day_spent: f64,
+    pub tenant_daily: Option<f64>,
+    /// What the tenant's daily budget has left (below zero when overspent).
+    pub day_remaining: Option<f64>,
+    pub subject_daily: Option<f64>,
+    pub run: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -102,6 +119,12 @@ pub struct TenantSnapshot {
     pub penalties: Vec<PenaltySnapshot>,
     /// Effective rates, adaptive throttling and fair shares per upstream.
     pub upstreams: Vec<UpstreamSnapshot>,
+    /// Spend per unit and its budgets (absent without `[spend.*]`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub spend: Vec<SpendSnapshot>,
+    /// Agent runs whose spend is remembered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spend_runs: Option<usize>,
 }
 
 impl TenantEngine {
@@ -121,6 +144,8 @@ impl TenantEngine {
         if self.quota.is_resting(day) {
             self.quota = QuotaCounter::default();
         }
+        self.spend
+            .forget_idle_runs(now, &self.policy.cfg.spend.units);
     }
 
     /// True when nothing would be lost by dropping this engine.
@@ -133,6 +158,7 @@ impl TenantEngine {
             && self.tenant_bucket.is_resting(now)
             && self.global_promised <= now
             && self.quota.is_resting(day)
+            && self.spend.is_resting(day)
             && self.subjects.values().all(|s| s.is_resting(now, day))
             && self
                 .upstreams
@@ -303,6 +329,20 @@ impl TenantEngine {
             subjects: subject_snaps,
             penalties,
             upstreams,
+            spend: self
+                .spend_today(wall_ms)
+                .into_iter()
+                .zip(&p.spend)
+                .map(|((unit, spent, _), b)| SpendSnapshot {
+                    unit: unit.to_string(),
+                    day_spent: spent,
+                    tenant_daily: b.tenant_daily,
+                    day_remaining: b.tenant_daily.map(|d| d - spent),
+                    subject_daily: b.subject_daily,
+                    run: b.run,
+                })
+                .collect(),
+            spend_runs: (!p.spend.is_empty()).then(|| self.spend.live_runs()),
         }
     }
 
@@ -360,6 +400,8 @@ impl TenantEngine {
             quota_used: p.limits.tenant.daily_quota.map(|_| self.quota.used_on(day)),
             quota_limit: p.limits.tenant.daily_quota,
             tasks: self.tasks_live(now),
+            spend: self.spend_today(wall_ms),
+            spend_settled: Vec::new(),
         }
     }
 
