@@ -424,6 +424,8 @@ impl TenantActor {
 pub struct Release {
     pub lease: u64,
     pub info: ReleaseInfo,
+    /// What the call actually spent (spend per unit, cost units); empty: the estimates stand.
+    pub settle: crate::engine::Settlement,
 }
 
 impl Handler<Release> for TenantActor {
@@ -445,7 +447,9 @@ impl TenantActor {
         if self.engine.lease_past_ttl(msg.lease, now) {
             self.expire_leases(now, wall);
         }
-        let mut released = self.engine.release(msg.lease, &msg.info, now, wall)?;
+        let mut released =
+            self.engine
+                .release_settled(msg.lease, &msg.info, &msg.settle, now, wall)?;
         let granted = std::mem::take(&mut released.granted);
         self.deliver(granted);
         Ok(released)
@@ -1044,6 +1048,7 @@ mod tests {
                     retry_after: None,
                     duration_ms: None,
                 },
+                settle: Default::default(),
             };
             let a = lease_of(shared.admit("acme", req(), clock.mono()).await.unwrap());
             clock.advance(Duration::from_millis(999));

@@ -18,6 +18,7 @@ use super::error::ApiError;
 use super::inflight::Held;
 use super::overload::{self, Overload};
 use super::policy_cache::PolicyCache;
+use super::spend::{clean, SpendField};
 use super::{body, json, lease, name_field, App};
 use crate::actors::{AdmitReply, AskError, CancelLease, CancelWaiter, ConfirmHold, Layers, Shared};
 use crate::clock::{ceil_ms, ceil_secs};
@@ -48,6 +49,12 @@ struct AdmitBody<'a> {
     /// `poll_interval_ms`.
     #[serde(default)]
     task: bool,
+    /// The agent run (task) the call belongs to, for `run` spend budgets.
+    #[serde(default, borrow)]
+    run: Option<Cow<'a, str>>,
+    /// The call's own spend estimates, by unit.
+    #[serde(default)]
+    spend: Option<std::collections::BTreeMap<String, f64>>,
 }
 
 /// Returns what a held call took if its request is dropped before the hold ends.
@@ -236,6 +243,7 @@ fn the_rest(
         None => server_cap,
     };
     req.cost = b.cost;
+    req.spend = super::spend::call_spend(&cfg, b.run.as_deref(), b.spend.as_ref())?;
     Ok((call_id, cfg.server.mode == Mode::Shadow))
 }
 
@@ -450,6 +458,8 @@ struct AdmittedBody<'a> {
     /// "fail_open"` admitted the call (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     unchecked: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    spend: Option<SpendField<'a>>,
 }
 
 #[derive(Serialize)]
@@ -465,6 +475,16 @@ struct Structured<'a> {
     scope: &'a str,
     retry_after_ms: u64,
     retryable: bool,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    spend: Option<SpendShedFields<'a>>,
+}
+
+/// `unit`, `budget` and `remaining` of a refusal by a spend budget.
+#[derive(Serialize, Clone, Copy)]
+struct SpendShedFields<'a> {
+    unit: &'a str,
+    budget: &'static str,
+    remaining: f64,
 }
 
 #[derive(Serialize)]
@@ -482,6 +502,8 @@ pub(super) struct ShedBody<'a> {
     reason: &'a str,
     retry_after_ms: u64,
     retryable: bool,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    spend: Option<SpendShedFields<'a>>,
     tool_result: ToolResult<'a>,
 }
 
@@ -491,12 +513,18 @@ pub(super) fn tool_result_json(s: &Shed) -> serde_json::Value {
 }
 
 pub(super) fn shed_body(s: &Shed) -> ShedBody<'_> {
+    let spend = s.spend.as_deref().map(|x| SpendShedFields {
+        unit: &x.unit,
+        budget: x.budget.as_str(),
+        remaining: clean(x.remaining),
+    });
     ShedBody {
         admitted: false,
         scope: s.scope.as_str(),
         reason: &s.reason,
         retry_after_ms: s.retry_after_ms,
         retryable: s.retryable,
+        spend,
         tool_result: ToolResult {
             content: [TextContent {
                 kind: "text",
@@ -507,6 +535,7 @@ pub(super) fn shed_body(s: &Shed) -> ShedBody<'_> {
                 scope: s.scope.as_str(),
                 retry_after_ms: s.retry_after_ms,
                 retryable: s.retryable,
+                spend,
             },
             is_error: true,
         },
@@ -626,6 +655,10 @@ fn write_admitted(b: &AdmittedBody) -> Vec<u8> {
             b",\"unchecked\":false"
         });
     }
+    if let Some(s) = &b.spend {
+        out.extend_from_slice(b",\"spend\":");
+        let _ = serde_json::to_writer(&mut out, s);
+    }
     out.push(b'}');
     out
 }
@@ -724,6 +757,7 @@ fn answer_task(
                     .then(|| ceil_ms(a.hold_ns)),
                 poll_interval_ms,
                 unchecked: a.unchecked.then_some(true),
+                spend: a.spend.as_deref().map(SpendField),
             };
             event.unchecked = a.unchecked;
             let r = super::json_response(StatusCode::OK, write_admitted(&body));
@@ -846,6 +880,18 @@ pub(super) mod tests {
             scope: "subject",
             retry_after_ms: 1500,
         };
+        let views = [
+            crate::engine::spend::SpendView {
+                unit: "usd".into(),
+                reserved: 0.05,
+                remaining: Some((0.93, crate::engine::spend::SpendBudget::Run)),
+            },
+            crate::engine::spend::SpendView {
+                unit: "tokens".into(),
+                reserved: 300.0,
+                remaining: None,
+            },
+        ];
         let bodies = [
             AdmittedBody {
                 admitted: true,
@@ -862,6 +908,7 @@ pub(super) mod tests {
                 would_wait_ms: None,
                 poll_interval_ms: None,
                 unchecked: None,
+                spend: None,
             },
             AdmittedBody {
                 admitted: true,
@@ -878,6 +925,7 @@ pub(super) mod tests {
                 would_wait_ms: Some(250),
                 poll_interval_ms: Some(5_500),
                 unchecked: None,
+                spend: Some(SpendField(&views)),
             },
             AdmittedBody {
                 admitted: true,
@@ -894,6 +942,7 @@ pub(super) mod tests {
                 would_wait_ms: None,
                 poll_interval_ms: Some(u64::MAX),
                 unchecked: Some(true),
+                spend: None,
             },
         ];
         for b in &bodies {

@@ -33,6 +33,7 @@ pub mod renew;
 pub mod retry_after;
 pub mod status;
 pub mod tasks;
+pub mod spend;
 pub mod tenant;
 pub mod tenants;
 pub mod unparsed;

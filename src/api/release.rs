@@ -31,6 +31,12 @@ struct ReleaseBody<'a> {
     retry_after: Option<RetryAfterValue>,
     #[serde(default)]
     duration_ms: Option<f64>,
+    /// What the call actually spent, per spend unit.
+    #[serde(default)]
+    spent: Option<std::collections::BTreeMap<String, f64>>,
+    /// What the call actually cost in cost units (0 for a cache hit).
+    #[serde(default)]
+    cost: Option<f64>,
 }
 
 pub async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, ApiError> {
@@ -63,6 +69,8 @@ pub async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, Ap
             "no such lease: it was never issued, was already released, or expired",
         )
     };
+    // Checked in full before the lease is touched: a bad figure changes nothing.
+    let settle = super::spend::settlement(&app.shared.config.load(), b.spent.as_ref(), b.cost)?;
     let (tenant, lease) = lease::decode(&b.lease_id).ok_or_else(unknown)?;
     let info = ReleaseInfo {
         outcome,
@@ -70,7 +78,11 @@ pub async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, Ap
         retry_after: retry_after.as_ref().map(|r| r.0),
         duration_ms,
     };
-    let msg = Release { lease, info };
+    let msg = Release {
+        lease,
+        info,
+        settle,
+    };
     // With a shared store the lease may be another replica's: this one's actor asks the store.
     let released = match app.shared.store() {
         Some(_) => Some(app.shared.ask(&tenant, msg).await?),

@@ -205,6 +205,63 @@ impl CounterFamily {
     }
 }
 
+/// A counter whose increments are fractions (spend in dollars, say): the exporter's counters count
+/// whole numbers only. Recorded by the metrics actor alone, a few times a second at most (once per
+/// tenant report), so a lock is all it needs.
+#[derive(Debug)]
+pub struct SumFamily {
+    name: &'static str,
+    labels: &'static [&'static str],
+    series: Mutex<BTreeMap<Box<str>, f64>>,
+}
+
+impl SumFamily {
+    pub fn new(name: &'static str, labels: &'static [&'static str]) -> Self {
+        SumFamily {
+            name,
+            labels,
+            series: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Adds `x` (ignored unless positive and finite: a counter never goes down).
+    pub fn add(&self, values: &[&str], x: f64) {
+        debug_assert_eq!(values.len(), self.labels.len());
+        if x.is_finite() && x > 0.0 {
+            *self.series.lock().entry(join(values)).or_default() += x;
+        }
+    }
+
+    /// Appends the family in the Prometheus text format (nothing when it has no series yet).
+    pub fn render(&self, out: &mut String) {
+        let series: Vec<(Box<str>, f64)> = self
+            .series
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        if series.is_empty() {
+            return;
+        }
+        write_help(out, self.name);
+        let _ = writeln!(out, "# TYPE {} counter", self.name);
+        for (values, sum) in series {
+            let _ = write!(out, "{}", self.name);
+            for (i, (name, value)) in self.labels.iter().zip(split(&values)).enumerate() {
+                out.push(if i == 0 { '{' } else { ',' });
+                let _ = write!(out, "{name}=\"");
+                escape_label_value(value, out);
+                out.push('"');
+            }
+            if !self.labels.is_empty() {
+                out.push('}');
+            }
+            let _ = writeln!(out, " {sum}");
+        }
+        out.push('\n');
+    }
+}
+
 /// The metrics admitd keeps itself (names, labels and layouts in [`super::names`]).
 #[derive(Debug)]
 pub struct Histograms {
@@ -216,6 +273,8 @@ pub struct Histograms {
     pub tool: Family,
     /// `admitd_store_request_seconds`: round trips to the shared store.
     pub store: Family,
+    /// `admitd_spend_total`: settled spend per tenant and unit.
+    pub spend: SumFamily,
 }
 
 impl Default for Histograms {
@@ -235,6 +294,7 @@ impl Default for Histograms {
                 TOOL_DURATION_BUCKETS,
             ),
             store: Family::new(STORE_REQUEST, &[], STORE_BUCKETS),
+            spend: SumFamily::new(SPEND_TOTAL, &["tenant", "unit"]),
         };
         // Present (at zero) from the start, like the daemon-wide counters.
         h.decision.series(&[]);
@@ -247,6 +307,7 @@ impl Histograms {
     /// Appends every family in the Prometheus text format.
     pub fn render(&self, out: &mut String) {
         self.admissions.render(out);
+        self.spend.render(out);
         for f in [
             &self.decision,
             &self.wait,

@@ -147,6 +147,8 @@ struct TenantGauges {
     quota: Option<(Gauge, Gauge)>,
     /// Registered when the tenant first reports a task.
     tasks: Option<Gauge>,
+    /// Per spend unit with a tenant daily budget: what is left and the budget.
+    spend: Vec<(Arc<str>, Gauge, Gauge)>,
 }
 
 impl TenantGauges {
@@ -160,6 +162,7 @@ impl TenantGauges {
             upstream_utilization: util("tenant_upstream"),
             quota: None,
             tasks: None,
+            spend: Vec::new(),
         }
     }
 }
@@ -521,6 +524,27 @@ impl MetricsActor {
                                 || gauge!(TASKS_INFLIGHT, "tenant" => tenant.to_string()),
                             )
                             .set(gauges.tasks as f64);
+                    }
+                    for (unit, spent, budget) in &gauges.spend {
+                        let Some(budget) = budget else { continue };
+                        let i = match g.spend.iter().position(|(u, _, _)| u == unit) {
+                            Some(i) => i,
+                            None => {
+                                let labels =
+                                    [("tenant", tenant.to_string()), ("unit", unit.to_string())];
+                                g.spend.push((
+                                    unit.clone(),
+                                    gauge!(SPEND_DAILY_REMAINING, &labels),
+                                    gauge!(SPEND_DAILY_BUDGET, &labels),
+                                ));
+                                g.spend.len() - 1
+                            }
+                        };
+                        g.spend[i].1.set(budget - spent);
+                        g.spend[i].2.set(*budget);
+                    }
+                    for (unit, x) in &gauges.spend_settled {
+                        self.histograms.spend.add(&[&tenant, unit], *x);
                     }
                     // A budget whose state was dropped (or whose tenant stopped) is back at its
                     // configured rate with no throttle: say so rather than freeze the last value.

@@ -39,6 +39,9 @@ pub const TASKS_INFLIGHT: &str = "admitd_tasks_inflight";
 pub const TASKS_STARTED: &str = "admitd_tasks_started_total";
 pub const TASK_POLLS: &str = "admitd_task_polls_total";
 pub const UNCHECKED_ADMISSIONS: &str = "admitd_unchecked_admissions_total";
+pub const SPEND_TOTAL: &str = "admitd_spend_total";
+pub const SPEND_DAILY_REMAINING: &str = "admitd_spend_daily_remaining";
+pub const SPEND_DAILY_BUDGET: &str = "admitd_spend_daily_budget";
 
 /// The type of a metric, as its `# TYPE` line says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +115,9 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(TASKS_STARTED, Counter, COUNT, "Admissions answered as MCP tasks."),
         help(TASK_POLLS, Counter, COUNT, "Polls of MCP tasks (POST /v1/tasks/poll), admitted on time or refused as early."),
         help(UNCHECKED_ADMISSIONS, Counter, COUNT, "Calls admitted unchecked by on_error = fail_open while the shared store was unreachable."),
+        help(SPEND_TOTAL, Counter, None, "Spend settled at release or lease expiry, in the unit's own figures (dollars, tokens, ...)."),
+        help(SPEND_DAILY_REMAINING, Gauge, None, "What the tenant's daily budget of the unit has left today (UTC); below zero when overspent."),
+        help(SPEND_DAILY_BUDGET, Gauge, None, "The tenant's daily budget of the unit."),
     ]
 };
 

@@ -1,0 +1,187 @@
+//! The spend fields of the API: `run` and `spend` on `POST /v1/admit`, `spent` and `cost` on
+//! `POST /v1/release`, their validation against the configured units, and how an answer reports
+//! spend (`spend` on an admission, `unit`/`budget`/`remaining` on a refusal).
+//!
+//! Kept apart from the routes that read them so that the admission's hand-written answer stays
+//! one small function, and so that a release's spend is checked in full before its lease is
+//! touched: a bad figure is a 400 that changes nothing, and the lease can still be released.
+
+use std::collections::BTreeMap;
+
+use compact_str::CompactString;
+use serde::{Serialize, Serializer};
+
+use super::{name_field, ApiError};
+use crate::config::Config;
+use crate::engine::spend::SpendView;
+use crate::engine::{CallSpend, Settlement};
+
+/// The largest figure a call may report (as every figure in the config).
+const MAX_FIGURE: f64 = 1e15;
+
+fn figure(field: &str, unit: &str, x: f64) -> Result<f64, ApiError> {
+    if x.is_finite() && (0.0..=MAX_FIGURE).contains(&x) {
+        Ok(x)
+    } else {
+        Err(ApiError::invalid(format!(
+            "{field}.{unit} {x} must be a number from 0 to 1e15"
+        )))
+    }
+}
+
+fn unit_known(cfg: &Config, field: &str, unit: &str) -> Result<(), ApiError> {
+    if cfg.spend.unit(unit).is_some() {
+        return Ok(());
+    }
+    let known: Vec<&str> = cfg.spend.units.iter().map(|u| u.name.as_str()).collect();
+    let known = if known.is_empty() {
+        "no spend units are configured".to_string()
+    } else {
+        format!("configured units: {}", known.join(", "))
+    };
+    // The unit is the caller's string: quoted through Debug, so control characters are escaped.
+    let shown: String = unit.chars().take(64).collect();
+    Err(ApiError::invalid(format!(
+        "{field} names the unit {shown:?}, which is not configured ({known})"
+    )))
+}
+
+/// An admission's `run` and `spend`, checked: `None` when no spend unit is configured and the call
+/// names no estimate (a `run` alone is then nothing to keep).
+pub(super) fn call_spend(
+    cfg: &Config,
+    run: Option<&str>,
+    spend: Option<&BTreeMap<String, f64>>,
+) -> Result<Option<Box<CallSpend>>, ApiError> {
+    if let Some(r) = run {
+        name_field("run", r)?;
+    }
+    let mut out = CallSpend::default();
+    for (unit, x) in spend.into_iter().flatten() {
+        unit_known(cfg, "spend", unit)?;
+        out.estimates.push((
+            CompactString::from(unit.as_str()),
+            figure("spend", unit, *x)?,
+        ));
+    }
+    if cfg.spend.is_empty() {
+        return Ok(None);
+    }
+    out.run = run.map(CompactString::from);
+    Ok((out.run.is_some() || !out.estimates.is_empty()).then(|| Box::new(out)))
+}
+
+/// A release's `spent` and `cost`, checked.
+pub(super) fn settlement(
+    cfg: &Config,
+    spent: Option<&BTreeMap<String, f64>>,
+    cost: Option<f64>,
+) -> Result<Settlement, ApiError> {
+    let mut out = Settlement::default();
+    for (unit, x) in spent.into_iter().flatten() {
+        unit_known(cfg, "spent", unit)?;
+        out.spent.push((
+            CompactString::from(unit.as_str()),
+            figure("spent", unit, *x)?,
+        ));
+    }
+    if let Some(c) = cost {
+        if !(c.is_finite() && (0.0..=MAX_FIGURE).contains(&c)) {
+            return Err(ApiError::invalid(format!(
+                "cost {c} must be a number from 0 to 1e15"
+            )));
+        }
+        out.cost = Some(c);
+    }
+    Ok(out)
+}
+
+/// A figure without the float noise of sums (0.9299999999999999 is 0.93).
+pub(super) fn clean(x: f64) -> f64 {
+    let r = (x * 1e9).round() / 1e9;
+    if r == 0.0 {
+        0.0
+    } else {
+        r
+    }
+}
+
+/// An admission's `spend`: `{"usd": {"reserved": 0.05, "remaining": 0.93, "budget": "run"}}`.
+pub(super) struct SpendField<'a>(pub(super) &'a [SpendView]);
+
+#[derive(Serialize)]
+struct UnitField {
+    reserved: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    remaining: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    budget: Option<&'static str>,
+}
+
+impl Serialize for SpendField<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for v in self.0 {
+            m.serialize_entry(
+                &*v.unit,
+                &UnitField {
+                    reserved: clean(v.reserved),
+                    remaining: v.remaining.map(|(x, _)| clean(x)),
+                    budget: v.remaining.map(|(_, b)| b.as_str()),
+                },
+            )?;
+        }
+        m.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config::parse("c.toml", "[spend.usd]\nestimate = 0.01\nrun = 1\n").unwrap()
+    }
+
+    #[test]
+    fn estimates_and_settlements_are_checked_against_the_units() {
+        let c = cfg();
+        let mut m = BTreeMap::new();
+        m.insert("usd".to_string(), 0.05);
+        let s = call_spend(&c, Some("r-1"), Some(&m)).unwrap().unwrap();
+        assert_eq!(s.run.as_deref(), Some("r-1"));
+        assert_eq!(s.estimates[0].1, 0.05);
+        assert!(call_spend(&c, None, None).unwrap().is_none());
+        m.insert("eur".to_string(), 1.0);
+        let e = call_spend(&c, None, Some(&m)).unwrap_err();
+        assert!(e.message.contains("\"eur\""), "{}", e.message);
+        let mut bad = BTreeMap::new();
+        bad.insert("usd".to_string(), -1.0);
+        assert!(call_spend(&c, None, Some(&bad)).is_err());
+        assert!(settlement(&c, Some(&bad), None).is_err());
+        assert!(settlement(&c, None, Some(-0.5)).is_err());
+        assert_eq!(settlement(&c, None, Some(0.0)).unwrap().cost, Some(0.0));
+        assert!(call_spend(&c, Some("bad\nrun"), None).is_err());
+        // No units: a run alone is accepted and ignored, an estimate is unknown.
+        let none = Config::default();
+        assert!(call_spend(&none, Some("r"), None).unwrap().is_none());
+        let mut usd = BTreeMap::new();
+        usd.insert("usd".to_string(), 1.0);
+        assert!(call_spend(&none, None, Some(&usd)).is_err());
+    }
+
+    #[test]
+    fn the_spend_field_rounds_away_float_noise() {
+        use crate::engine::spend::SpendBudget;
+        let v = [SpendView {
+            unit: "usd".into(),
+            reserved: 0.05,
+            remaining: Some((1.0 - 0.05 - 0.02, SpendBudget::Run)),
+        }];
+        assert_eq!(
+            serde_json::to_string(&SpendField(&v)).unwrap(),
+            r#"{"usd":{"reserved":0.05,"remaining":0.93,"budget":"run"}}"#
+        );
+    }
+}
