@@ -121,15 +121,39 @@ fn an_idle_daemon_exits_at_once_on_sigterm() {
 
 // ---- the state file ---------------------------------------------------------------------------------
 
-/// A config keeping state at `path`, written every `interval`: subjects have a daily quota of 2, and
-/// upstream `u` a budget whose 429s put it in the penalty box.
+/// A config keeping state at `path`, written every `interval`: subjects have a daily quota of 2,
+/// upstream `u` a budget whose 429s put it in the penalty box, and agent runs a budget of $1.
 fn kept_config(path: &std::path::Path, interval: &str) -> String {
     format!(
         "[state]\npath = {:?}\ninterval = \"{interval}\"\n\
          [limits.subject]\ndaily_quota = 2\n\
-         [upstreams.u]\nrate = \"10/s\"\nburst = 10\n",
+         [upstreams.u]\nrate = \"10/s\"\nburst = 10\n\
+         [spend.usd]\nestimate = 0.5\nrun = 1\ntenant_daily = 10\n",
         path.display().to_string()
     )
+}
+
+/// Spends run "r-1"'s whole budget in one call that cost more than its estimate.
+fn spend_run(d: &Daemon) {
+    let run = json!({"tenant": "t", "subject": "runner", "tool": "x", "run": "r-1"});
+    let a = d.admit(run.clone());
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let lease = a.body["lease_id"].as_str().unwrap();
+    let spent = json!({"lease_id": lease, "outcome": "ok", "spent": {"usd": 1.0}});
+    assert_eq!(d.post("/v1/release", spent).status, 200);
+    assert_run_spent(d);
+}
+
+/// The run's budget is spent, and the tenant's day counts the dollar (and the estimates of $0.50 of
+/// the two calls that spent the quota).
+fn assert_run_spent(d: &Daemon) {
+    let run = json!({"tenant": "t", "subject": "runner", "tool": "x", "run": "r-1"});
+    let a = d.admit(run);
+    assert_eq!(a.status, 429, "{:?}", a.body);
+    assert_eq!(a.body["scope"], "spend");
+    assert_eq!(a.body["budget"], "run");
+    let t = d.get("/v1/tenants/t");
+    assert_eq!(t.body["spend"][0]["day_spent"], 2.0, "{:?}", t.body);
 }
 
 /// Spends subject "bot"'s quota of 2 and checks the third call is refused for it.
@@ -165,6 +189,7 @@ fn a_spent_quota_stays_spent_across_sigterm_and_start() {
     let config = kept_config(&path, "1h");
     let mut d = Daemon::start(&config);
     spend_quota(&d);
+    spend_run(&d);
     stop(&mut d, "TERM");
     let text = std::fs::read_to_string(&path).expect("the state file is there");
     let file: Value = serde_json::from_str(&text).unwrap();
@@ -173,6 +198,7 @@ fn a_spent_quota_stays_spent_across_sigterm_and_start() {
 
     let again = Daemon::start(&config);
     assert_quota_spent(&again);
+    assert_run_spent(&again);
     // Another subject is untouched.
     assert_eq!(again.admit(call("t", "other", 0)).status, 200);
     assert!(again.logged("state restored", Duration::from_secs(1)));
@@ -186,11 +212,13 @@ fn a_spent_quota_stays_spent_across_kill_9_after_one_interval() {
     let config = kept_config(&path, "300ms");
     let mut d = Daemon::start(&config);
     spend_quota(&d);
+    spend_run(&d);
     // One interval (and some slack for a busy machine), then no chance to write anything more.
     std::thread::sleep(Duration::from_millis(1200));
     stop(&mut d, "KILL");
     let again = Daemon::start(&config);
     assert_quota_spent(&again);
+    assert_run_spent(&again);
 }
 
 #[cfg(unix)]

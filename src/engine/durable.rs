@@ -84,12 +84,18 @@ pub struct TenantDurable {
     /// Upstreams that are not shared (each tenant has its own penalty and rate for them).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upstreams: Vec<UpstreamDurable>,
+    /// Spend of the day (tenant and subjects) and of live agent runs.
+    #[serde(default, skip_serializing_if = "super::spend::DurableSpend::is_empty")]
+    pub spend: super::spend::DurableSpend,
 }
 
 impl TenantDurable {
     /// Nothing worth writing.
     pub fn is_empty(&self) -> bool {
-        self.quota.is_none() && self.subjects.is_empty() && self.upstreams.is_empty()
+        self.quota.is_none()
+            && self.subjects.is_empty()
+            && self.upstreams.is_empty()
+            && self.spend.is_empty()
     }
 }
 
@@ -269,6 +275,7 @@ mod tests {
     #[test]
     fn the_format_reads_what_it_writes_and_defaults_what_is_left_out() {
         let t = TenantDurable {
+            spend: Default::default(),
             tenant: "acme".into(),
             quota: Some(QuotaUse { day: 3, used: 2.5 }),
             subjects: vec![SubjectDurable {

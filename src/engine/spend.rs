@@ -386,7 +386,9 @@ impl SpendLedger {
 
     /// The durable part: the day's figures of the tenant and its subjects, and every run, by unit
     /// name (so a restart with units added, removed or reordered keeps each figure in its unit).
-    pub fn export(&self, units: &[SpendUnit], now: Nanos) -> DurableSpend {
+    pub fn export(&self, units: &[SpendUnit], now: Nanos, day: i64) -> DurableSpend {
+        // Figures of a day that is over are not worth keeping.
+        let today = self.day == day;
         let named = |f: &Figures| -> Vec<(String, f64)> {
             f.iter()
                 .enumerate()
@@ -396,10 +398,15 @@ impl SpendLedger {
         };
         DurableSpend {
             day: self.day,
-            tenant: named(&self.tenant),
+            tenant: if today {
+                named(&self.tenant)
+            } else {
+                Vec::new()
+            },
             subjects: self
                 .subjects
                 .iter()
+                .filter(|_| today)
                 .map(|(s, f)| (s.to_string(), named(f)))
                 .filter(|(_, f)| !f.is_empty())
                 .collect(),
@@ -413,7 +420,7 @@ impl SpendLedger {
 
     /// Takes back what [`SpendLedger::export`] wrote (figures of units no longer configured are
     /// dropped; `now` dates each run's idle time again).
-    pub fn restore(&mut self, d: &DurableSpend, units: &[SpendUnit], now: Nanos) {
+    pub fn restore(&mut self, d: &DurableSpend, units: &[SpendUnit], now: Nanos, day: i64) {
         let unnamed = |f: &[(String, f64)]| -> Figures {
             let mut out = Figures::new();
             for (name, x) in f {
@@ -425,10 +432,13 @@ impl SpendLedger {
             }
             out
         };
-        self.day = d.day;
-        self.tenant = unnamed(&d.tenant);
-        for (s, f) in &d.subjects {
-            self.subjects.insert(Arc::from(s.as_str()), unnamed(f));
+        // A day that is over comes back as nothing (its runs still do: a run spans days).
+        if d.day == day {
+            self.day = d.day;
+            self.tenant = unnamed(&d.tenant);
+            for (s, f) in &d.subjects {
+                self.subjects.insert(Arc::from(s.as_str()), unnamed(f));
+            }
         }
         for (k, f, idle) in &d.runs {
             if self.runs.len() >= MAX_RUNS {
@@ -633,15 +643,20 @@ mod tests {
             10 * NS_PER_SEC,
             &c.spend.units,
         );
-        let d = l.export(&c.spend.units, 12 * NS_PER_SEC);
+        let d = l.export(&c.spend.units, 12 * NS_PER_SEC, 7);
         let text = serde_json::to_string(&d).unwrap();
         let d: DurableSpend = serde_json::from_str(&text).unwrap();
         // A config with only usd: the tokens figures are dropped, usd lands at index 0.
         let only = Config::parse("t.toml", "[spend.usd]\nestimate = 1\nrun = 1\n").unwrap();
         let mut back = SpendLedger::default();
-        back.restore(&d, &only.spend.units, 100 * NS_PER_SEC);
+        back.restore(&d, &only.spend.units, 100 * NS_PER_SEC, 7);
         assert_eq!(back.tenant_spent(7).as_slice(), &[0.5]);
         assert_eq!(back.runs["r-1"].last, 98 * NS_PER_SEC);
         assert_eq!(back.subjects["s"].as_slice(), &[0.5]);
+        // On the next day the day's figures are gone, the run is not.
+        let mut later = SpendLedger::default();
+        later.restore(&d, &only.spend.units, 100 * NS_PER_SEC, 8);
+        assert!(later.tenant_spent(8).is_empty() && later.subjects.is_empty());
+        assert_eq!(later.live_runs(), 1);
     }
 }

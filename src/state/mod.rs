@@ -240,6 +240,7 @@ mod tests {
                     quota: QuotaUse { day: 1, used: 2.0 },
                 }],
                 upstreams: vec![],
+                spend: Default::default(),
             }],
             shared_upstreams: vec![],
         }

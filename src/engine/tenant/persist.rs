@@ -58,11 +58,17 @@ impl TenantEngine {
             })
             .collect();
         upstreams.sort_by(|a, b| a.upstream.cmp(&b.upstream));
+        let units = &self.policy.cfg.spend.units;
         TenantDurable {
             tenant: self.tenant.to_string(),
             quota: quota(&self.quota),
             subjects,
             upstreams,
+            spend: if units.is_empty() {
+                Default::default()
+            } else {
+                self.spend.export(units, now, day)
+            },
         }
     }
 
@@ -73,6 +79,8 @@ impl TenantEngine {
         let at = Instants { now, wall_ms };
         let day = utc_day(wall_ms);
         self.last_active = now;
+        self.spend
+            .restore(&d.spend, &self.policy.cfg.spend.units, now, day);
         if let Some(used) = d.quota.and_then(|q| q.today(wall_ms)) {
             self.quota = QuotaCounter { day, used };
         }
