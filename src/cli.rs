@@ -216,8 +216,12 @@ pub fn main() -> ExitCode {
         },
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
+                let spend = match c.spend.units.len() {
+                    0 => String::new(),
+                    n => format!(", {n} spend units"),
+                };
                 println!(
-                    "{}: ok ({} plans, {} tenants, {} tools, {} upstreams; mode {})",
+                    "{}: ok ({} plans, {} tenants, {} tools, {} upstreams{spend}; mode {})",
                     config.display(),
                     c.plans.len(),
                     c.tenants.len(),

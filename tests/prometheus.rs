@@ -36,6 +36,13 @@ shed_ratio = 0.5
 window = "10s"
 for = "1s"
 min_calls = 10
+[spend.usd]
+estimate = 0.01
+tenant_daily = 100
+run = 0.1
+currency = "$"
+[tools.summarize.spend]
+usd = 0.04
 "#;
 
 const SHADOW: &str = "[server]\nmode = \"shadow\"\n[limits.subject]\nrate = \"1/s\"\nburst = 2\n";
@@ -155,6 +162,17 @@ fn traffic(enforce: &Daemon, shadow: &Daemon, round: u32) {
             enforce.post(
                 "/v1/release",
                 json!({"lease_id": a.body["lease_id"], "outcome": "ok", "duration_ms": 80}),
+            );
+        }
+    }
+    // An agent run that spends its budget: two calls fit (each cost more than its estimate), the
+    // third is refused with scope spend.
+    for _ in 0..3 {
+        let a = enforce.admit(json!({"tenant": "acme", "subject": "spender", "tool": "summarize", "run": format!("r-{round}"), "max_wait_ms": 0}));
+        if a.status == 200 {
+            enforce.post(
+                "/v1/release",
+                json!({"lease_id": a.body["lease_id"], "outcome": "ok", "spent": {"usd": 0.05}}),
             );
         }
     }

@@ -239,5 +239,10 @@ fn a_spend_config_is_checked_at_its_line() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("1 tools, 0 upstreams, 2 spend units; mode enforce"),
+        "{said}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -161,6 +161,9 @@ LABELS = {
     "admitd_daily_quota_limit": {"tenant"},
     "admitd_tenant_shed_ratio": {"tenant"},
     "admitd_alert_firing": {"tenant"},
+    "admitd_spend_total": {"tenant"},
+    "admitd_spend_daily_remaining": {"tenant"},
+    "admitd_spend_daily_budget": {"tenant"},
 }
 
 exprs = []
