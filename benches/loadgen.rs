@@ -78,6 +78,8 @@ load
   --tenant-prefix P    name the tenants P0..P<N-1> instead (two loads on distinct tenants)
   --subjects N         subjects s0..s<N-1> per tenant (default 100)
   --tools N            tools tool0..tool<N-1> (default 8)
+  --runs N             give each admission an agent run r0..r<N-1> of its subject (default 0:
+                       no run), for spend budgets per run
   --pool N             distinct precomputed request bodies (default 65536)
   --count N            populate: subjects to create (default 10000)
   --offset N           populate: first subject number (default 0)
@@ -131,6 +133,7 @@ struct Args {
     tenants: u64,
     subjects: u64,
     tools: u64,
+    runs: u64,
     pool: usize,
     count: u64,
     offset: u64,
@@ -161,6 +164,7 @@ impl Default for Args {
             tenants: 1000,
             subjects: 100,
             tools: 8,
+            runs: 0,
             pool: 65_536,
             count: 10_000,
             offset: 0,
@@ -234,6 +238,7 @@ fn parse_args(raw: Vec<String>) -> Result<Option<Args>, String> {
             "--tenants" => a.tenants = number(&flag, it.next(), 1, 10_000_000)?,
             "--subjects" => a.subjects = number(&flag, it.next(), 1, 100_000_000)?,
             "--tools" => a.tools = number(&flag, it.next(), 1, 10_000)?,
+            "--runs" => a.runs = number(&flag, it.next(), 0, 100_000_000)?,
             "--tenant-prefix" => {
                 let p = it.next().ok_or("--tenant-prefix needs a value")?;
                 if p.is_empty() || !p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
@@ -331,7 +336,12 @@ fn request_pool(a: &Args, path: &str, host: &str) -> Vec<Vec<u8>> {
             let tenant = rng.below(a.tenants);
             let subject = format!("s{}", rng.below(a.subjects));
             let tool = rng.below(a.tools);
-            post(path, host, &admit_body(tenant, &subject, tool))
+            let mut body = admit_body(tenant, &subject, tool);
+            if a.runs > 0 {
+                body.pop();
+                body.push_str(&format!(r#","run":"{subject}-r{}"}}"#, rng.below(a.runs)));
+            }
+            post(path, host, &body)
         })
         .collect()
 }
