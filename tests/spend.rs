@@ -246,3 +246,23 @@ fn a_spend_config_is_checked_at_its_line() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_idle_run_is_forgotten_after_run_idle() {
+    let d =
+        Daemon::start(&CONFIG.replace("currency = \"$\"", "currency = \"$\"\nrun_idle = \"1s\""));
+    let a = d.admit(call("r-idle"));
+    let lease = a.body["lease_id"].as_str().unwrap();
+    assert_eq!(
+        release(&d, lease, json!({"spent": {"usd": 1.0}})).status,
+        200
+    );
+    let refused = d.admit(call("r-idle"));
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["budget"], "run");
+    // A second (and some slack for a busy machine) after its last admitted call, the run starts over.
+    std::thread::sleep(Duration::from_millis(2000));
+    let again = d.admit(call("r-idle"));
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.body["spend"]["usd"]["remaining"], 0.95);
+}

@@ -245,9 +245,13 @@ impl TenantActor {
         &mut self,
         lease: u64,
         info: ReleaseInfo,
+        settle: crate::engine::Settlement,
     ) -> ResponseActFuture<Self, Result<Released, UnknownLease>> {
         let (now, wall) = self.now();
-        if let Ok(mut released) = self.engine.release(lease, &info, now, wall) {
+        if let Ok(mut released) = self
+            .engine
+            .release_settled(lease, &info, &settle, now, wall)
+        {
             let granted = std::mem::take(&mut released.granted);
             self.deliver(granted);
             return Box::pin(actix::fut::ready(Ok(released)));
@@ -271,7 +275,7 @@ impl TenantActor {
         let tenant = self.engine.tenant().clone();
         self.remote().in_store += 1;
         let run = info.duration_ms.map(|ms| ms.saturating_mul(NS_PER_MS));
-        let fut = store.release(tenant, lease, Some(info), Refund::IfHeld);
+        let fut = store.release_settled(tenant, lease, Some(info), Refund::IfHeld, Some(settle));
         Box::pin(fut.into_actor(self).map(move |out, act, _| {
             act.remote().in_store -= 1;
             let r = out.ok().flatten().ok_or(UnknownLease)?;

@@ -433,7 +433,7 @@ impl Handler<Release> for TenantActor {
 
     fn handle(&mut self, msg: Release, _: &mut Context<Self>) -> Self::Result {
         if self.remote.is_some() {
-            return self.release_remote(msg.lease, msg.info);
+            return self.release_remote(msg.lease, msg.info, msg.settle);
         }
         Box::pin(actix::fut::ready(self.release_here(msg)))
     }

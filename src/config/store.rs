@@ -104,16 +104,6 @@ impl StoreConfig {
     }
 }
 
-impl RawStore {
-    /// Where `kind = "redis"` is written, when it is.
-    pub(super) fn redis_kind_span(&self) -> Option<std::ops::Range<usize>> {
-        self.kind
-            .as_ref()
-            .filter(|k| k.get_ref() == "redis")
-            .map(toml::Spanned::span)
-    }
-}
-
 impl Validator<'_> {
     /// `[store]`, over the defaults in `out`.
     pub(super) fn store(&self, s: RawStore, out: &mut StoreConfig) -> Result<(), ConfigError> {

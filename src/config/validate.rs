@@ -417,12 +417,6 @@ impl Validator<'_> {
         let global_ok = layer("limits.global", l.global, &mut cfg.limits.global);
 
         let spend_units = raw.spend.unwrap_or_default();
-        // Spend budgets are kept by the memory store only, for now: a fleet on a shared store
-        // would each keep their own, so the file is refused rather than the budget multiplied.
-        let redis_at = raw.store.as_ref().and_then(|s| s.redis_kind_span());
-        if let (Some(at), Some((name, _))) = (redis_at, spend_units.iter().next()) {
-            first.note::<()>(self.err(at, format!("[spend.{name}] budgets are not shared through store.kind = \"redis\" yet; use the memory store for spend budgets")));
-        }
         cfg.spend.units = self.spend_units(&spend_units, &mut first);
 
         let plans = raw.plans.unwrap_or_default();

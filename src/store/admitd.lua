@@ -382,6 +382,28 @@ local function op_decide()
     end
   end
 
+  -- Spend budgets: each unit's estimate must fit every budget of the unit, a daily one per UTC day
+  -- (a hash by day, like a quota), a run's while the run is remembered (a counter that expires
+  -- `idle` after the run's last call). A budget may be below zero (a call cost more than its
+  -- estimate): it then refuses until it is back above the estimate.
+  local spend = spec.spend or {}
+  for ui, u in ipairs(spend) do
+    for bi, b in ipairs(u.b) do
+      local used
+      if b.run then used = num(redis.call('GET', b.k), 0) else used = num(redis.call('HGET', b.k, tostring(day)), 0) end
+      local left = b.s - used
+      if left + 1e-9 < u.n then
+        local wait = 0
+        if not b.run then wait = (day + 1) * DAY - now end
+        local r = shed('spend', wait, 0, 0, ui, layer_report(spec.layers, st, false))
+        r[#r + 1] = tostring(bi)
+        r[#r + 1] = fmt(left)
+        return r
+      end
+      b.left = left - u.n
+    end
+  end
+
   -- Buckets, all or nothing. A call is held (its tokens reserved ahead) only within its wait, only on
   -- layers that allow it, and never into tokens promised to callers refused earlier.
   local hold = 0
@@ -431,7 +453,22 @@ local function op_decide()
     redis.call('HINCRBYFLOAT', q.k, tostring(day), fmt(spec.cost))
     expire_at(q.k, (day + 1) * DAY + KEEP)
   end
+  for _, u in ipairs(spend) do
+    for _, b in ipairs(u.b) do
+      if b.run then
+        if u.n ~= 0 then redis.call('INCRBYFLOAT', b.k, fmt(u.n)) end
+        -- Every call of the run keeps it remembered for `idle` more (an absent key: nothing spent).
+        if redis.call('EXISTS', b.k) == 1 then expire_at(b.k, now + b.idle) end
+      elseif u.n ~= 0 then
+        redis.call('HINCRBYFLOAT', b.k, tostring(day), fmt(u.n))
+        expire_at(b.k, (day + 1) * DAY + KEEP)
+      end
+    end
+  end
   local report = layer_report(spec.layers, st, true)
+  for _, u in ipairs(spend) do
+    for _, b in ipairs(u.b) do report[#report + 1] = fmt(b.left) end
+  end
   if spec.lease ~= '' then
     local incs = {}
     for i = 1, #spec.layers do incs[i] = fmt(st[i].inc) end
@@ -499,6 +536,29 @@ local function op_release()
     for _, q in ipairs(d.quotas) do
       local used = num(redis.call('HGET', q, l.day), 0)
       redis.call('HSET', q, l.day, fmt(math.max(used - d.cost, 0)))
+    end
+  end
+  -- Spend: the actual figures replace the estimates (a unit the release does not name keeps its
+  -- estimate; a cancellation, or a held caller gone, gives it all back), in each budget that still
+  -- counts it: a daily one on the day of the reservation, a run's while it is remembered.
+  if l.nothing == nil and d.spend then
+    local cancel = spec.cancel or give_back
+    for _, u in ipairs(d.spend) do
+      local actual = u.n
+      if cancel then
+        actual = 0
+      elseif spec.spent and spec.spent[u.u] then
+        actual = tonumber(spec.spent[u.u]) or u.n
+      end
+      local diff = actual - u.n
+      if diff ~= 0 then
+        for _, k in ipairs(u.d) do
+          if redis.call('EXISTS', k) == 1 then redis.call('HINCRBYFLOAT', k, l.day, fmt(diff)) end
+        end
+        for _, k in ipairs(u.r) do
+          if redis.call('EXISTS', k) == 1 then redis.call('INCRBYFLOAT', k, fmt(diff)) end
+        end
+      end
     end
   end
   local penalty, probe = 0, ''

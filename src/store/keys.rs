@@ -60,6 +60,10 @@ impl Keys {
             StateKey::LeaseExtra(id) => format!("{}:lx:{id:016x}", t()),
             StateKey::Tasks => format!("{}:tasks", t()),
             StateKey::TaskCursor => format!("{}:tcur", t()),
+            // A unit's name has no `:` ([a-z][a-z0-9_]*), so it ends where the caller's name starts.
+            StateKey::SpendTenant(unit) => format!("{}:sp:t:{unit}", t()),
+            StateKey::SpendSubject(s, unit) => format!("{}:sp:s:{unit}:{s}", t()),
+            StateKey::SpendRun(run, unit) => format!("{}:sp:r:{unit}:{run}", t()),
         }
     }
 }

@@ -514,6 +514,7 @@ impl RedisStore {
         let RemoteAnswer::Admitted {
             hold_us: hold_a,
             layers: layers_a,
+            spend,
         } = first
         else {
             return Ok(first);
@@ -525,9 +526,13 @@ impl RedisStore {
             n,
         );
         match second {
-            Ok(RemoteAnswer::Admitted { hold_us, layers }) => Ok(RemoteAnswer::Admitted {
+            // Spend budgets are the tenant's: the first part answered them.
+            Ok(RemoteAnswer::Admitted {
+                hold_us, layers, ..
+            }) => Ok(RemoteAnswer::Admitted {
                 hold_us: hold_us.max(hold_a),
                 layers: merge(layers_a, layers),
+                spend,
             }),
             other => {
                 // The tenant's part is given back: the call is refused (or not decided) as a whole.
@@ -543,6 +548,7 @@ impl RedisStore {
                         account_wide,
                         layers,
                         multiplier,
+                        spend_left,
                     }) => Ok(RemoteAnswer::Refused {
                         scope,
                         wait_us,
@@ -550,6 +556,7 @@ impl RedisStore {
                         account_wide,
                         layers: merge(layers_a, layers),
                         multiplier,
+                        spend_left,
                     }),
                     other => other,
                 }
@@ -565,6 +572,28 @@ impl RedisStore {
         info: Option<ReleaseInfo>,
         refund: Refund,
     ) -> Result<Option<StoreReleased>, StoreError> {
+        self.release_settled(tenant, lease, info, refund, None)
+            .await
+    }
+
+    /// [`RedisStore::release`] with what the call actually spent per spend unit (`settle`; without
+    /// it each estimate stands, and a cancellation gives it back).
+    pub async fn release_settled(
+        self: Arc<Self>,
+        tenant: Arc<str>,
+        lease: u64,
+        info: Option<ReleaseInfo>,
+        refund: Refund,
+        settle: Option<crate::engine::Settlement>,
+    ) -> Result<Option<StoreReleased>, StoreError> {
+        let cancel = info
+            .as_ref()
+            .is_some_and(|i| i.outcome == crate::engine::Outcome::Cancelled);
+        let spent: serde_json::Map<String, Value> = settle
+            .iter()
+            .flat_map(|s| s.spent.iter())
+            .map(|(u, x)| (u.to_string(), json!(x)))
+            .collect();
         let limited = info.as_ref().is_some_and(|i| {
             i.outcome == crate::engine::Outcome::UpstreamRateLimited
                 || i.upstream_status == Some(429)
@@ -595,6 +624,8 @@ impl RedisStore {
             "default_penalty": DEFAULT_PENALTY_US,
             "duration": duration,
             "rt_key": self.key(&tenant, &StateKey::RunTimes),
+            "cancel": cancel,
+            "spent": spent,
         });
         let route = self.keys.tenant_base(&tenant);
         let v = self

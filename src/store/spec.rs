@@ -109,6 +109,25 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
     } else {
         Vec::new()
     };
+    let spend: Vec<SpendSpec> = if own {
+        call.spend
+            .iter()
+            .map(|s| SpendSpec {
+                n: s.estimate,
+                b: s.budgets
+                    .iter()
+                    .map(|b| BudgetSpec {
+                        k: keys.key(tenant, &b.key),
+                        s: b.size,
+                        run: b.idle_us > 0.0,
+                        idle: b.idle_us,
+                    })
+                    .collect(),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let split = part != Part::All;
     let lease = if own {
         keys.key(tenant, &StateKey::Lease(call.lease))
@@ -122,6 +141,27 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         keys: layers.iter().map(|l| l.k.as_str()).collect(),
         quotas: quota.iter().map(|q| q.k.as_str()).collect(),
         zsets: conc.iter().map(|c| c.k.as_str()).collect(),
+        spend: call
+            .spend
+            .iter()
+            .zip(&spend)
+            .map(|(s, sp)| LeaseSpend {
+                u: &s.unit,
+                n: s.estimate,
+                d: sp
+                    .b
+                    .iter()
+                    .filter(|b| !b.run)
+                    .map(|b| b.k.as_str())
+                    .collect(),
+                r: sp
+                    .b
+                    .iter()
+                    .filter(|b| b.run)
+                    .map(|b| b.k.as_str())
+                    .collect(),
+            })
+            .collect(),
         up: call
             .upstreams
             .iter()
@@ -146,6 +186,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         conc,
         quota,
         layers,
+        spend: &spend,
         rt: RunTimesSpec {
             k: keys.key(tenant, &StateKey::RunTimes),
             f: &call.tool,
@@ -307,8 +348,40 @@ struct DecideSpec<'a> {
     conc: Vec<SlotsSpec>,
     quota: Vec<QuotaSpec>,
     layers: Vec<LayerSpec>,
+    /// Spend units, each with its estimate and budgets (absent without `[spend.*]`).
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    spend: &'a [SpendSpec],
     rt: RunTimesSpec<'a>,
     index: String,
+}
+
+#[derive(Serialize)]
+struct SpendSpec {
+    /// The call's estimate in this unit.
+    n: f64,
+    b: Vec<BudgetSpec>,
+}
+
+#[derive(Serialize)]
+struct BudgetSpec {
+    k: String,
+    /// The budget's size.
+    s: f64,
+    /// A run's budget (a plain counter that expires `idle` microseconds after the run's last call),
+    /// else a daily one (a hash by UTC day, like a quota).
+    run: bool,
+    idle: f64,
+}
+
+/// A spend unit's reservation, as the release settles it.
+#[derive(Serialize)]
+struct LeaseSpend<'a> {
+    u: &'a str,
+    n: f64,
+    /// Daily budgets' keys.
+    d: Vec<&'a str>,
+    /// Run budgets' keys.
+    r: Vec<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -388,6 +461,8 @@ struct LeaseData<'a> {
     keys: Vec<&'a str>,
     quotas: Vec<&'a str>,
     zsets: Vec<&'a str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    spend: Vec<LeaseSpend<'a>>,
     up: Vec<ReportSpec<'a>>,
 }
 
@@ -458,6 +533,10 @@ pub(super) fn parse_decide(
         Some("ok") => Ok(RemoteAnswer::Admitted {
             hold_us: num(1)?,
             layers: layers_from(2)?,
+            // What each spend budget has left follows the layers.
+            spend: (2 + 2 * map.len()..parts.len())
+                .map(num)
+                .collect::<Result<_, _>>()?,
         }),
         Some("busy") => Ok(RemoteAnswer::Busy { wait_us: num(1)? }),
         Some("shed") => {
@@ -466,6 +545,14 @@ pub(super) fn parse_decide(
                 Some("adaptive") => RemoteScope::Adaptive,
                 Some("concurrency") => RemoteScope::Concurrency,
                 Some("daily_quota") => RemoteScope::DailyQuota,
+                Some("spend") => {
+                    // 1-based unit, then after the layers the 1-based budget and what it has left.
+                    let unit = (num(5)? as usize).checked_sub(1).ok_or_else(bad)?;
+                    let budget = (num(6 + 2 * map.len())? as usize)
+                        .checked_sub(1)
+                        .ok_or_else(bad)?;
+                    RemoteScope::Spend(unit, budget)
+                }
                 Some("layer") => {
                     let local = num(5)? as usize;
                     let global = local
@@ -483,6 +570,10 @@ pub(super) fn parse_decide(
                 } else {
                     num(6 + 2 * map.len()).unwrap_or(1.0)
                 };
+            let spend_left = match scope {
+                RemoteScope::Spend(..) => num(7 + 2 * map.len())?,
+                _ => 0.0,
+            };
             Ok(RemoteAnswer::Refused {
                 scope,
                 wait_us: num(2)?,
@@ -490,6 +581,7 @@ pub(super) fn parse_decide(
                 account_wide: num(4)? > 0.0,
                 layers,
                 multiplier,
+                spend_left,
             })
         }
         _ => Err(bad()),
@@ -563,7 +655,8 @@ mod tests {
             a,
             RemoteAnswer::Admitted {
                 hold_us: 250.0,
-                layers: vec![(19, 500.0), (0, -1.0), (4, 100.0)]
+                layers: vec![(19, 500.0), (0, -1.0), (4, 100.0)],
+                spend: vec![],
             }
         );
         let s = parse_decide(
@@ -583,6 +676,7 @@ mod tests {
                 account_wide: false,
                 layers: vec![(19, 500.0), (0, -1.0), (0, 900.0)],
                 multiplier: 0.5,
+                spend_left: 0.0,
             }
         );
         assert_eq!(
@@ -597,6 +691,38 @@ mod tests {
             parse_decide(v(&["shed", "layer", "1", "0", "0", "9"]), &[0], 1),
             Err(StoreError::Script(_))
         ));
+    }
+
+    #[test]
+    fn spend_figures_follow_the_layers() {
+        let a = parse_decide(v(&["ok", "0", "19", "500", "0.93", "4.5"]), &[0], 1).unwrap();
+        assert_eq!(
+            a,
+            RemoteAnswer::Admitted {
+                hold_us: 0.0,
+                layers: vec![(19, 500.0)],
+                spend: vec![0.93, 4.5],
+            }
+        );
+        // Unit 2, budget 1 (1-based), overspent by 0.25.
+        let s = parse_decide(
+            v(&[
+                "shed", "spend", "0", "0", "0", "2", "19", "500", "1", "-0.25",
+            ]),
+            &[0],
+            1,
+        )
+        .unwrap();
+        assert!(matches!(
+            s,
+            RemoteAnswer::Refused { scope: RemoteScope::Spend(1, 0), spend_left, .. } if spend_left == -0.25
+        ));
+        assert!(parse_decide(
+            v(&["shed", "spend", "0", "0", "0", "0", "19", "500"]),
+            &[0],
+            1
+        )
+        .is_err());
     }
 
     #[test]

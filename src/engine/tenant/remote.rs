@@ -44,6 +44,12 @@ pub enum StateKey {
     Tasks,
     /// The tenant's poll cursor (see [`crate::engine::poll`]).
     TaskCursor,
+    /// A spend unit's use by the whole tenant, per UTC day.
+    SpendTenant(Arc<str>),
+    /// A spend unit's use by one subject, per UTC day: (subject, unit).
+    SpendSubject(Arc<str>, Arc<str>),
+    /// A spend unit's use by one agent run: (run, unit). Forgotten `run_idle` after its last call.
+    SpendRun(Arc<str>, Arc<str>),
 }
 
 impl StateKey {
@@ -113,6 +119,25 @@ pub struct RemoteQuota {
     pub subject: bool,
 }
 
+/// One spend budget a call's estimate must fit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteBudget {
+    pub key: StateKey,
+    pub size: f64,
+    pub budget: crate::engine::spend::SpendBudget,
+    /// A run's: how long it is remembered after its last call, in microseconds (0 for a daily one).
+    pub idle_us: f64,
+}
+
+/// A call's spend in one unit: its estimate and every budget it applies to, in the order a refusal
+/// names them (run, subject's day, tenant's day).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteSpend {
+    pub unit: Arc<str>,
+    pub estimate: f64,
+    pub budgets: Vec<RemoteBudget>,
+}
+
 /// What a release or feedback reports to an upstream's state.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamReport {
@@ -166,6 +191,8 @@ pub struct RemoteCall {
     pub layers: Vec<RemoteLayer>,
     /// The call's primary upstream first: what its release reports.
     pub upstreams: Vec<UpstreamReport>,
+    /// Each configured spend unit's estimate and budgets (empty without `[spend.*]`).
+    pub spend: Vec<RemoteSpend>,
     /// The call waited for a concurrency slot and asks again.
     pub asked_again: bool,
     /// Record the subject in the tenant's subject index (what `/v1/tenants/{tenant}` lists). A
@@ -196,6 +223,8 @@ pub enum RemoteScope {
     DailyQuota,
     /// The bucket layer at this 0-based index of [`RemoteCall::layers`].
     Layer(usize),
+    /// A spend budget: (0-based unit in [`RemoteCall::spend`], 0-based budget in its `budgets`).
+    Spend(usize, usize),
 }
 
 /// The store's answer to a [`RemoteCall`].
@@ -206,6 +235,9 @@ pub enum RemoteAnswer {
     Admitted {
         hold_us: f64,
         layers: Vec<(u64, f64)>,
+        /// What each spend budget of the call has left after it, in the order of
+        /// [`RemoteCall::spend`] and their `budgets`.
+        spend: Vec<f64>,
     },
     Refused {
         scope: RemoteScope,
@@ -216,6 +248,8 @@ pub enum RemoteAnswer {
         layers: Vec<(u64, f64)>,
         /// The refusing layer's AIMD multiplier (1 when not cut).
         multiplier: f64,
+        /// A spend budget's refusal: what that budget has left (0 otherwise).
+        spend_left: f64,
     },
     /// No concurrency slot free, and the call may wait: ask again (the first slot is expected in
     /// this many microseconds).
@@ -355,6 +389,7 @@ impl TenantEngine {
                 report
             })
             .collect();
+        let spend = self.remote_spend(&r);
         let run = self.run_times.estimate(&r.subject, &r.tool);
         let lease = self.rng.next_u64();
         Ok(RemoteCall {
@@ -374,11 +409,83 @@ impl TenantEngine {
             quotas,
             layers,
             upstreams,
+            spend,
             asked_again: false,
             index: true,
             resolved: r,
             plan,
         })
+    }
+
+    /// The call's spend units with their budgets, as [`crate::engine::spend::SpendLedger`] checks
+    /// them in memory.
+    fn remote_spend(&self, r: &Resolved) -> Vec<RemoteSpend> {
+        use crate::engine::spend::SpendBudget;
+        let Some(sp) = r.spend.as_deref() else {
+            return Vec::new();
+        };
+        let units = &self.policy.cfg.spend.units;
+        units
+            .iter()
+            .zip(&self.policy.spend)
+            .zip(&self.policy.spend_names)
+            .enumerate()
+            .map(|(i, ((u, b), name))| {
+                let mut budgets = Vec::new();
+                if let (Some(size), Some(run)) = (b.run, &sp.run) {
+                    budgets.push(RemoteBudget {
+                        key: StateKey::SpendRun(run.clone(), name.clone()),
+                        size,
+                        budget: SpendBudget::Run,
+                        idle_us: u.run_idle.as_micros() as f64,
+                    });
+                }
+                if let Some(size) = b.subject_daily {
+                    budgets.push(RemoteBudget {
+                        key: StateKey::SpendSubject(r.subject.clone(), name.clone()),
+                        size,
+                        budget: SpendBudget::SubjectDaily,
+                        idle_us: 0.0,
+                    });
+                }
+                if let Some(size) = b.tenant_daily {
+                    budgets.push(RemoteBudget {
+                        key: StateKey::SpendTenant(name.clone()),
+                        size,
+                        budget: SpendBudget::TenantDaily,
+                        idle_us: 0.0,
+                    });
+                }
+                RemoteSpend {
+                    unit: name.clone(),
+                    estimate: sp.estimates.get(i).copied().unwrap_or(0.0),
+                    budgets,
+                }
+            })
+            .collect()
+    }
+
+    /// The answer's spend: per unit what was reserved and the least any budget has left.
+    fn remote_views(call: &RemoteCall, left: &[f64]) -> Option<Box<[SpendView]>> {
+        if call.spend.is_empty() {
+            return None;
+        }
+        let mut left = left.iter();
+        let views = call.spend.iter().map(|s| {
+            let mut least: Option<(f64, crate::engine::spend::SpendBudget)> = None;
+            for b in &s.budgets {
+                let l = left.next().copied().unwrap_or(b.size - s.estimate);
+                if least.is_none_or(|(x, _)| l < x - 1e-9) {
+                    least = Some((l, b.budget));
+                }
+            }
+            SpendView {
+                unit: s.unit.clone(),
+                reserved: s.estimate,
+                remaining: least,
+            }
+        });
+        Some(views.collect())
     }
 
     /// What an answer from `upstream` changes in the store, as this tenant's config says.
@@ -422,7 +529,11 @@ impl TenantEngine {
         let mode = self.policy.cfg.server.mode;
         match answer {
             RemoteAnswer::Busy { wait_us } => RemoteOutcome::Busy((wait_us * 1e3) as u64),
-            RemoteAnswer::Admitted { hold_us, layers } => {
+            RemoteAnswer::Admitted {
+                hold_us,
+                layers,
+                spend,
+            } => {
                 let layers = states(&layers);
                 RemoteOutcome::Decided(Decision {
                     verdict: Verdict::Admitted(Admitted {
@@ -432,7 +543,7 @@ impl TenantEngine {
                         mode,
                         would_shed: None,
                         unchecked: false,
-                        spend: None,
+                        spend: Self::remote_views(call, &spend),
                     }),
                     resolved: r,
                     layers,
@@ -445,13 +556,20 @@ impl TenantEngine {
                 account_wide,
                 layers,
                 multiplier,
+                spend_left,
             } => {
                 let mut wait = (wait_us.max(0.0) * 1e3) as u64;
+                if let RemoteScope::Spend(u, b) = scope {
+                    let shed = self.remote_spend_shed(call, u, b, spend_left, wait);
+                    let layers = states(&layers);
+                    return RemoteOutcome::Decided(self.remote_refusal(call, r, shed, layers));
+                }
                 let (scope, upstream) = match scope {
                     RemoteScope::Penalty => (Scope::UpstreamPenalty, r.upstream.clone()),
                     RemoteScope::Adaptive => (Scope::Adaptive, r.upstream.clone()),
                     RemoteScope::Concurrency => (Scope::Concurrency, r.upstream.clone()),
                     RemoteScope::DailyQuota => (Scope::DailyQuota, r.upstream.clone()),
+                    RemoteScope::Spend(..) => (Scope::Spend, None),
                     RemoteScope::Layer(i) => {
                         let lp = call.plan.get(i);
                         (
@@ -479,25 +597,65 @@ impl TenantEngine {
                     );
                 }
                 let layers = states(&layers);
-                let verdict = match mode {
-                    Mode::Enforce => Verdict::Shed(shed),
-                    Mode::Shadow => Verdict::Admitted(Admitted {
-                        lease: call.lease,
-                        hold_ns: 0,
-                        queued_ns: 0,
-                        mode,
-                        would_shed: Some(shed),
-                        unchecked: false,
-                        spend: None,
-                    }),
-                };
-                RemoteOutcome::Decided(Decision {
-                    verdict,
-                    resolved: r,
-                    layers,
-                })
+                RemoteOutcome::Decided(self.remote_refusal(call, r, shed, layers))
             }
         }
+    }
+
+    /// A refusal from the store as a decision: a shed, or in shadow mode an admission that carries
+    /// it (the store wrote its lease, which holds nothing).
+    fn remote_refusal(
+        &self,
+        call: &RemoteCall,
+        r: Resolved,
+        shed: Shed,
+        layers: Vec<LayerState>,
+    ) -> Decision {
+        let mode = self.policy.cfg.server.mode;
+        let verdict = match mode {
+            Mode::Enforce => Verdict::Shed(shed),
+            Mode::Shadow => Verdict::Admitted(Admitted {
+                lease: call.lease,
+                hold_ns: 0,
+                queued_ns: 0,
+                mode,
+                would_shed: Some(shed),
+                unchecked: false,
+                spend: None,
+            }),
+        };
+        Decision {
+            verdict,
+            resolved: r,
+            layers,
+        }
+    }
+
+    /// The refusal of spend budget `b` of unit `u` of the call, with what it has left and the wait
+    /// the store gave (until its UTC midnight for a daily budget, none for a run's).
+    fn remote_spend_shed(
+        &self,
+        call: &RemoteCall,
+        u: usize,
+        b: usize,
+        left: f64,
+        wait_ns: u64,
+    ) -> Shed {
+        let s = call.spend.get(u);
+        let budget = s.and_then(|s| s.budgets.get(b));
+        let short = crate::engine::spend::SpendShort {
+            unit: self
+                .policy
+                .spend_names
+                .iter()
+                .position(|n| Some(n) == s.map(|s| &s.unit))
+                .unwrap_or(usize::MAX),
+            budget: budget.map_or(crate::engine::spend::SpendBudget::Run, |b| b.budget),
+            remaining: left,
+            estimate: s.map_or(0.0, |s| s.estimate),
+            size: budget.map_or(0.0, |b| b.size),
+        };
+        self.spend_shed_after(&short, ceil_ms(wait_ns).max(1))
     }
 
     /// An admission made without the store (its `on_error = "fail_open"`): nothing is checked or
@@ -781,6 +939,7 @@ mod tests {
         let answer = RemoteAnswer::Admitted {
             hold_us: 1500.0,
             layers: vec![(3, 500_000.0), (49, 100_000.0), (4999, 200.0)],
+            spend: vec![],
         };
         let RemoteOutcome::Decided(d) = e.interpret_remote(&c, answer) else {
             panic!("decided")
@@ -810,6 +969,7 @@ mod tests {
                 account_wide: false,
                 layers: vec![(0, 0.0); 5],
                 multiplier,
+                spend_left: 0.0,
             };
             match e.interpret_remote(&c, answer) {
                 RemoteOutcome::Decided(Decision {
@@ -853,6 +1013,7 @@ mod tests {
             account_wide: true,
             layers: Vec::new(),
             multiplier: 1.0,
+            spend_left: 0.0,
         };
         let RemoteOutcome::Decided(d) = e.interpret_remote(&c, answer) else {
             panic!("decided")

@@ -36,12 +36,13 @@ impl TenantEngine {
     /// The refusal of a spend budget: a run's never refills (not retryable, no wait); a daily one
     /// is retryable at the next UTC midnight.
     pub(super) fn spend_shed(&self, _r: &Resolved, short: &SpendShort, wall_ms: i64) -> Shed {
+        self.spend_shed_after(short, ms_until_utc_midnight(wall_ms).max(1))
+    }
+
+    /// [`Self::spend_shed`], a daily budget's refusal retryable in `daily_wait_ms`.
+    pub(super) fn spend_shed_after(&self, short: &SpendShort, daily_wait_ms: u64) -> Shed {
         let run = short.budget == SpendBudget::Run;
-        let retry_after_ms = if run {
-            0
-        } else {
-            ms_until_utc_midnight(wall_ms).max(1)
-        };
+        let retry_after_ms = if run { 0 } else { daily_wait_ms };
         let units = &self.policy.cfg.spend.units;
         let message = match units.get(short.unit) {
             Some(u) => refusal::spend_message(u, short, retry_after_ms),

@@ -1,0 +1,326 @@
+//! The spend behaviour suite, run against both stores (the in-process memory store and a real
+//! Redis each test starts): reserve and settle, debt, cancellation, run against daily budgets,
+//! plans, estimates from the call, the tool and the unit, parallel calls of one run, shadow mode
+//! and a restart; and two replicas on one Redis sharing one run's budget.
+
+mod common;
+
+use std::time::Duration;
+
+use common::redis::RedisServer;
+use common::Daemon;
+use serde_json::{json, Value};
+
+const SPEND: &str = r#"
+[limits.subject]
+rate = "1000/s"
+burst = 1000
+concurrency = 200
+[limits.tenant]
+rate = "1000/s"
+burst = 1000
+concurrency = 200
+[spend.usd]
+estimate = 0.01
+tenant_daily = 50
+subject_daily = 5
+run = 1.0
+currency = "$"
+[spend.tokens]
+estimate = 100
+[tools.summarize.spend]
+usd = 0.05
+"#;
+
+/// A daemon on `config`, with its state in memory or in a fresh Redis, and the config text it
+/// runs (to start it again).
+struct Setup {
+    daemon: Daemon,
+    text: String,
+    redis: Option<RedisServer>,
+}
+
+fn start(config: &str, redis: bool) -> Setup {
+    let server = redis.then(RedisServer::start);
+    let text = match &server {
+        None => config.to_string(),
+        Some(r) => format!(
+            "{config}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"500ms\"\n",
+            r.url()
+        ),
+    };
+    let daemon = Daemon::start(&text);
+    if redis {
+        let ready = daemon.get("/readyz");
+        assert_eq!(ready.body["store"]["mode"], "shared", "{}", ready.body);
+    }
+    Setup {
+        daemon,
+        text,
+        redis: server,
+    }
+}
+
+fn call(tool: &str, run: &str) -> Value {
+    json!({"tenant": "acme", "subject": "bot", "tool": tool, "run": run, "max_wait_ms": 0})
+}
+
+fn with(mut v: Value, key: &str, x: Value) -> Value {
+    v[key] = x;
+    v
+}
+
+fn lease(a: &common::Answer) -> String {
+    a.body["lease_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("an admission: {} {}", a.status, a.body))
+        .to_string()
+}
+
+fn release(d: &Daemon, lease: &str, outcome: &str, extra: Value) {
+    let mut body = json!({"lease_id": lease, "outcome": outcome});
+    if let Some(e) = extra.as_object() {
+        for (k, v) in e {
+            body[k] = v.clone();
+        }
+    }
+    let r = d.post("/v1/release", body);
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-6
+}
+
+fn usd_left(a: &common::Answer) -> f64 {
+    a.body["spend"]["usd"]["remaining"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{}", a.body))
+}
+
+/// A run calling a 0.05 tool stops at its budget of 1 with a refusal waiting cannot fix.
+fn a_looping_run_stops_at_its_budget(redis: bool) {
+    let s = start(SPEND, redis);
+    let d = &s.daemon;
+    for i in 0..20 {
+        let a = d.admit(call("summarize", "r-1"));
+        assert_eq!(a.status, 200, "call {i}: {}", a.body);
+        assert_eq!(a.body["spend"]["usd"]["reserved"], 0.05);
+        assert_eq!(a.body["spend"]["usd"]["budget"], "run");
+        assert!(
+            close(usd_left(&a), 1.0 - 0.05 * f64::from(i + 1)),
+            "{}",
+            a.body
+        );
+        assert_eq!(a.body["spend"]["tokens"]["reserved"], 100.0);
+        release(d, &lease(&a), "ok", json!({}));
+    }
+    let r = d.admit(call("summarize", "r-1"));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["scope"], "spend");
+    assert_eq!(r.body["unit"], "usd");
+    assert_eq!(r.body["budget"], "run");
+    assert_eq!(r.body["retryable"], false);
+    assert_eq!(r.body["retry_after_ms"], 0);
+    assert!(r.header("retry-after").is_none());
+    assert!(close(r.body["remaining"].as_f64().unwrap(), 0.0));
+    let text = r.body["tool_result"]["content"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert!(text.contains("budget of $1 for this task"), "{text}");
+    // Another run goes on.
+    assert_eq!(d.admit(call("summarize", "r-2")).status, 200);
+}
+
+/// Reservations: twenty calls in flight fill the run; a cancelled one gives its share back.
+fn calls_in_flight_cannot_overshoot(redis: bool) {
+    let s = start(SPEND, redis);
+    let d = &s.daemon;
+    let leases: Vec<String> = (0..20)
+        .map(|_| lease(&d.admit(call("summarize", "r"))))
+        .collect();
+    assert_eq!(d.admit(call("summarize", "r")).status, 429);
+    release(d, &leases[0], "cancelled", json!({}));
+    assert_eq!(d.admit(call("summarize", "r")).status, 200);
+    assert_eq!(d.admit(call("summarize", "r")).status, 429);
+}
+
+/// The actual figure replaces the estimate; a run overspent refuses even a free call.
+fn settling_gives_back_and_charges_on_top(redis: bool) {
+    let s = start(SPEND, redis);
+    let d = &s.daemon;
+    let a = d.admit(call("summarize", "r"));
+    release(d, &lease(&a), "ok", json!({"spent": {"usd": 0.01}}));
+    let a = d.admit(call("summarize", "r"));
+    assert!(close(usd_left(&a), 0.94), "{}", a.body);
+    release(d, &lease(&a), "ok", json!({"spent": {"usd": 1.5}}));
+    let r = d.admit(with(call("other", "r"), "spend", json!({"usd": 0})));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["budget"], "run");
+    assert!(
+        close(r.body["remaining"].as_f64().unwrap(), -0.51),
+        "{}",
+        r.body
+    );
+}
+
+/// A subject's daily budget refuses until UTC midnight, retryably; other subjects go on.
+fn a_daily_budget_refuses_until_midnight(redis: bool) {
+    let s = start(SPEND, redis);
+    let d = &s.daemon;
+    let a = d.admit(call("summarize", "r"));
+    release(d, &lease(&a), "ok", json!({"spent": {"usd": 5.0}}));
+    let r = d.admit(call("summarize", "r2"));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["budget"], "subject_daily");
+    assert_eq!(r.body["retryable"], true);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let midnight = 86_400_000 - now_ms % 86_400_000;
+    let hint = r.body["retry_after_ms"].as_u64().unwrap();
+    assert!(hint.abs_diff(midnight) < 10_000, "{hint} vs {midnight}");
+    assert!(r.header("retry-after").is_some());
+    let other = with(call("summarize", "r3"), "subject", json!("other"));
+    assert_eq!(d.admit(other).status, 200);
+}
+
+/// Estimates: the call's own, else its tool's, else the unit's.
+fn estimates_come_from_the_call_the_tool_and_the_unit(redis: bool) {
+    let s = start(SPEND, redis);
+    let d = &s.daemon;
+    let own = d.admit(with(call("summarize", "r"), "spend", json!({"usd": 0.3})));
+    assert_eq!(own.body["spend"]["usd"]["reserved"], 0.3, "{}", own.body);
+    let tool = d.admit(call("summarize", "r"));
+    assert_eq!(tool.body["spend"]["usd"]["reserved"], 0.05);
+    let unit = d.admit(call("plain", "r"));
+    assert_eq!(unit.body["spend"]["usd"]["reserved"], 0.01);
+    assert!(close(usd_left(&unit), 1.0 - 0.36), "{}", unit.body);
+    // No budget of tokens applies: no remaining, no budget.
+    assert!(unit.body["spend"]["tokens"].get("remaining").is_none());
+}
+
+/// A plan overrides a unit's budgets for its tenants.
+fn plans_override_budgets(redis: bool) {
+    let config =
+        format!("{SPEND}\n[plans.free.spend.usd]\nrun = 0.1\n[tenants.acme]\nplan = \"free\"\n");
+    let s = start(&config, redis);
+    let d = &s.daemon;
+    assert_eq!(d.admit(call("summarize", "r")).status, 200);
+    assert_eq!(d.admit(call("summarize", "r")).status, 200);
+    let r = d.admit(call("summarize", "r"));
+    assert_eq!(r.status, 429);
+    let other = with(call("summarize", "r"), "tenant", json!("globex"));
+    for _ in 0..3 {
+        assert_eq!(d.admit(other.clone()).status, 200);
+    }
+}
+
+/// A call another layer refuses reserves nothing.
+fn a_refused_call_reserves_nothing(redis: bool) {
+    let s = start(
+        &format!("{SPEND}\n[tools.one]\nrate = \"1/h\"\nburst = 1\n"),
+        redis,
+    );
+    let d = &s.daemon;
+    let a = d.admit(with(call("one", "r"), "spend", json!({"usd": 0.6})));
+    assert_eq!(a.status, 200, "{}", a.body);
+    let r = d.admit(with(call("one", "r"), "spend", json!({"usd": 0.3})));
+    assert_eq!(r.body["scope"], "subject_tool", "{}", r.body);
+    let a = d.admit(with(call("x", "r"), "spend", json!({"usd": 0.4})));
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(close(usd_left(&a), 0.0), "{}", a.body);
+}
+
+/// Shadow mode reports what a budget would refuse and spends nothing for it.
+fn shadow_mode_predicts_spend_refusals(redis: bool) {
+    let s = start(&format!("[server]\nmode = \"shadow\"\n{SPEND}"), redis);
+    let d = &s.daemon;
+    for _ in 0..20 {
+        let a = d.admit(call("summarize", "r"));
+        assert!(a.body.get("would_shed").is_none(), "{}", a.body);
+    }
+    for _ in 0..3 {
+        let a = d.admit(call("summarize", "r"));
+        assert_eq!(a.status, 200);
+        assert_eq!(a.body["would_shed"]["scope"], "spend", "{}", a.body);
+    }
+    // The refused ones reserved nothing: the run has exactly nothing left, not less.
+    let a = d.admit(with(call("plain", "r"), "spend", json!({"usd": 0})));
+    assert!(a.body.get("would_shed").is_none(), "{}", a.body);
+    assert!(close(usd_left(&a), 0.0), "{}", a.body);
+}
+
+/// A restart keeps the day's and the run's spend (the state file in memory mode; Redis itself).
+fn spend_survives_a_restart(redis: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "[state]\npath = {:?}\ninterval = \"1h\"\n{SPEND}",
+        dir.path().join("state").display().to_string()
+    );
+    let mut s = start(&config, redis);
+    let a = s.daemon.admit(call("summarize", "r"));
+    release(&s.daemon, &lease(&a), "ok", json!({"spent": {"usd": 1.0}}));
+    assert_eq!(s.daemon.admit(call("summarize", "r")).status, 429);
+    s.daemon.signal("TERM");
+    assert!(common::eventually(Duration::from_secs(5), || s
+        .daemon
+        .child
+        .try_wait()
+        .is_ok_and(|st| st.is_some())));
+    s.daemon = Daemon::start(&s.text);
+    let r = s.daemon.admit(call("summarize", "r"));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["budget"], "run");
+    let _ = &s.redis;
+}
+
+macro_rules! both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(#[test] fn $scenario() { super::$scenario(false) })*
+        }
+        mod redis {
+            $(#[test] fn $scenario() { super::$scenario(true) })*
+        }
+    };
+}
+
+both_stores!(
+    a_looping_run_stops_at_its_budget,
+    calls_in_flight_cannot_overshoot,
+    settling_gives_back_and_charges_on_top,
+    a_daily_budget_refuses_until_midnight,
+    estimates_come_from_the_call_the_tool_and_the_unit,
+    plans_override_budgets,
+    a_refused_call_reserves_nothing,
+    shadow_mode_predicts_spend_refusals,
+    spend_survives_a_restart,
+);
+
+/// Two replicas on one Redis share one run's budget: calls alternate between them and together
+/// stop at the budget.
+#[test]
+fn two_replicas_share_a_run_budget() {
+    let redis = RedisServer::start();
+    let text = format!(
+        "{SPEND}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"500ms\"\n",
+        redis.url()
+    );
+    let (a, b) = (Daemon::start(&text), Daemon::start(&text));
+    let mut admitted = 0;
+    for i in 0..30 {
+        let d = if i % 2 == 0 { &a } else { &b };
+        let r = d.admit(call("summarize", "shared-run"));
+        if r.status == 200 {
+            admitted += 1;
+            // Released by the other replica: a lease is the fleet's.
+            let other = if i % 2 == 0 { &b } else { &a };
+            release(other, &lease(&r), "ok", json!({"spent": {"usd": 0.05}}));
+        } else {
+            assert_eq!(r.body["budget"], "run", "{}", r.body);
+        }
+    }
+    assert_eq!(admitted, 20);
+}
