@@ -34,7 +34,17 @@ export interface AdmitArgs {
   traceparent?: string;
   /** Admit the call as an MCP task: its lease lives [tasks] lease_ttl; body.poll_interval_ms. */
   task?: boolean;
+  /** The agent run (task) the call belongs to, for `run` spend budgets. */
+  run?: string;
+  /** This call's own spend estimates per unit ({ usd: 0.05 }). */
+  spend?: Record<string, number>;
 }
+
+/** Per spend unit: what an admitted call reserved, and the least any budget of the unit has left. */
+export type SpendView = Record<
+  string,
+  { reserved: number; remaining?: number; budget?: "run" | "subject_daily" | "tenant_daily" }
+>;
 
 export type Decision =
   | {
@@ -44,6 +54,8 @@ export type Decision =
       waitedMs: number;
       mode?: "enforce" | "shadow";
       degraded: boolean;
+      /** With spend budgets configured (absent when degraded). */
+      spend?: SpendView;
       body: Record<string, unknown>;
       headers: Record<string, string>;
     }
@@ -98,6 +110,13 @@ export declare class Call {
   readonly retryAfter?: string | number;
   /** Records what the upstream answered; a 429 is released as upstream_rate_limited. */
   upstreamResponse(status: number, retryAfter?: string | number | null): void;
+  /** What the call actually spent per unit, settled at its release. */
+  readonly spent: Record<string, number>;
+  readonly cost?: number;
+  /** Records what the call actually spent (added up) and, with `cost`, its actual cost units. */
+  reportSpend(spent?: Record<string, number>, options?: { cost?: number }): void;
+  /** Per spend unit what this call reserved and what its budgets have left. */
+  readonly spend: SpendView;
 }
 
 export declare class Admitd {
@@ -114,7 +133,13 @@ export declare class Admitd {
   release(
     leaseId: string,
     outcome?: Outcome,
-    extra?: { upstreamStatus?: number; retryAfter?: string | number; durationMs?: number },
+    extra?: {
+      upstreamStatus?: number;
+      retryAfter?: string | number;
+      durationMs?: number;
+      spent?: Record<string, number>;
+      cost?: number;
+    },
   ): Promise<boolean>;
   feedback(args: { tenant: string; upstream: string; status: number; retryAfter?: string | number }): Promise<void>;
   tenant(name: string): Promise<Record<string, unknown> | null>;

@@ -223,9 +223,11 @@ export class Admitd {
    * Asks whether the call may run. `subject` must come from the validated credential, never from
    * anything the model wrote; pass the incoming request's W3C `traceparent` to join its trace.
    */
-  async admit({ tenant, subject, tool, upstream, cost, maxWaitMs, callId, traceparent, task }) {
+  async admit({ tenant, subject, tool, upstream, cost, maxWaitMs, callId, traceparent, task, run, spend }) {
     const body = { tenant, subject, tool };
     if (task) body.task = true;
+    if (run != null) body.run = run;
+    if (spend != null && Object.keys(spend).length > 0) body.spend = { ...spend };
     if (upstream != null) body.upstream = upstream;
     if (cost != null) body.cost = cost;
     if (maxWaitMs != null) body.max_wait_ms = maxWaitMs;
@@ -246,7 +248,16 @@ export class Admitd {
     this.#answered();
     const { status, headers: h, body: b } = answer;
     if (status === 200) {
-      return { admitted: true, leaseId: b.lease_id, waitedMs: b.waited_ms ?? 0, mode: b.mode, degraded: false, body: b, headers: h };
+      return {
+        admitted: true,
+        leaseId: b.lease_id,
+        waitedMs: b.waited_ms ?? 0,
+        mode: b.mode,
+        degraded: false,
+        spend: b.spend ?? {},
+        body: b,
+        headers: h,
+      };
     }
     if (status === 429) {
       return {
@@ -306,7 +317,7 @@ export class Admitd {
    * Releases a lease; `retryAfter` is the upstream's Retry-After value as it came. Resolves to true
    * when released, false when admitd no longer knew the lease (released already, or expired).
    */
-  async release(leaseId, outcome = "ok", { upstreamStatus, retryAfter, durationMs } = {}) {
+  async release(leaseId, outcome = "ok", { upstreamStatus, retryAfter, durationMs, spent, cost } = {}) {
     if (!OUTCOMES.includes(outcome)) {
       throw new TypeError(`outcome must be one of ${OUTCOMES.join(", ")}, not ${JSON.stringify(outcome)}`);
     }
@@ -314,6 +325,8 @@ export class Admitd {
     if (upstreamStatus != null) body.upstream_status = Math.trunc(upstreamStatus);
     if (retryAfter != null) body.retry_after = retryAfterValue(retryAfter);
     if (durationMs != null) body.duration_ms = Math.max(0, Math.round(durationMs));
+    if (spent != null && Object.keys(spent).length > 0) body.spent = { ...spent };
+    if (cost != null) body.cost = cost;
     const { status, body: b } = await this.#request("POST", "/v1/release", body);
     if (status === 200) return true;
     if (status === 404) return false;
@@ -394,6 +407,8 @@ export class Admitd {
         upstreamStatus: call.status,
         retryAfter: call.retryAfter,
         durationMs: performance.now() - call.started,
+        spent: call.spent,
+        cost: call.cost,
       });
       if (!released) this.logger?.info?.(`admitd no longer knew lease ${lease} (expired after lease_ttl?)`);
     } catch (e) {
@@ -413,6 +428,24 @@ export class Call {
     this.retryAfter = undefined;
     this.released = false;
     this.started = performance.now();
+    /** What the call actually spent per spend unit (reportSpend); units left out keep the estimate. */
+    this.spent = {};
+    /** What the call actually cost in cost units (0 for a cache hit); undefined keeps the estimate. */
+    this.cost = undefined;
+  }
+
+  /**
+   * Records what the call actually spent ({ tokens: 1234 }, added up over several reports) and,
+   * with `cost`, its actual cost in cost units; the release settles them instead of the estimates.
+   */
+  reportSpend(spent = {}, { cost } = {}) {
+    for (const [unit, x] of Object.entries(spent)) this.spent[unit] = (this.spent[unit] ?? 0) + Number(x);
+    if (cost != null) this.cost = Number(cost);
+  }
+
+  /** Per spend unit what this call reserved and what its budgets have left ({} without spend). */
+  get spend() {
+    return this.decision.spend ?? {};
   }
 
   /** Records what the upstream answered; a 429 is released as upstream_rate_limited. */

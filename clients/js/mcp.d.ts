@@ -26,6 +26,13 @@ export interface AdmissionOptions {
 
 export declare function reportUpstream(status: number, retryAfter?: string | number | null): boolean;
 
+/** Records what the wrapped handler's call spent; false outside a wrapped handler. */
+export declare function reportSpend(spent?: Record<string, number>, options?: { cost?: number }): boolean;
+
+/** The request `_meta` key of an agent run's id, and the result `_meta` key of spend. */
+export declare const RUN_META: "admitd/run";
+export declare const SPEND_META: "admitd/spend";
+
 export declare class UpstreamRateLimited extends Error {
   constructor(retryAfter?: string | number | null, options?: { status?: number; message?: string });
   readonly retryAfter?: string | number;

@@ -15,6 +15,10 @@
 // handler settled: "ok"; "error" when it threw or resolved to an isError result; "cancelled" when
 // the request was cancelled (extra.signal aborted); "upstream_rate_limited" when the handler threw
 // UpstreamRateLimited or called reportUpstream(429, retryAfter).
+//
+// Spend budgets: a handler calls reportSpend({ tokens: ... }) (or reportSpend({}, { cost: 0 }) for a
+// cache hit) and the release settles it; the agent run is read from the request's
+// _meta["admitd/run"], and the result carries what each budget has left in _meta["admitd/spend"].
 
 import { AsyncLocalStorage } from "node:async_hooks";
 import { Admitd, Call } from "./index.js";
@@ -33,6 +37,23 @@ export function reportUpstream(status, retryAfter) {
   call.upstreamResponse(status, retryAfter);
   return true;
 }
+
+/**
+ * Records what the wrapped handler's call actually spent ({ tokens: usage.total_tokens }, added up
+ * over several reports) and, with `cost`, its actual cost in cost units ({}, { cost: 0 } for a
+ * cache hit); the release settles them instead of admitd's estimates. Returns false (and does
+ * nothing) outside a wrapped handler.
+ */
+export function reportSpend(spent = {}, { cost } = {}) {
+  const call = current.getStore();
+  if (!call) return false;
+  call.reportSpend(spent, { cost });
+  return true;
+}
+
+/** The request `_meta` key an agent run's id is read from, and the result `_meta` key of spend. */
+export const RUN_META = "admitd/run";
+export const SPEND_META = "admitd/spend";
 
 /**
  * Thrown by a handler whose upstream answered 429: the call is released as
@@ -153,6 +174,7 @@ export class Admission {
         upstream: upstream ?? this.upstreams[name],
         cost: cost ?? this.costs[name],
         maxWaitMs: this.maxWaitMs,
+        run: typeof extra?._meta?.[RUN_META] === "string" ? extra._meta[RUN_META] : undefined,
       });
       if (!decision.admitted) return decision.toolResult;
       const call = new Call(decision);
@@ -171,6 +193,10 @@ export class Admission {
         throw e;
       }
       await this.admitd.finish(call, cancelled() ? "cancelled" : result?.isError ? "error" : "ok");
+      // What each spend budget has left after this call, for the agent to see.
+      if (result && typeof result === "object" && Object.keys(call.spend).length > 0) {
+        return { ...result, _meta: { ...(result._meta ?? {}), [SPEND_META]: call.spend } };
+      }
       return result;
     };
   }

@@ -53,6 +53,34 @@ describe("MCP SDK server and client, end to end", { skip: haveBinary ? false : `
     return Number(wait[1]);
   }
 
+  test("a tool reports the tokens its model used, and the agent sees what is left", { timeout: 60000 }, async () => {
+    const before = (await runs()).summarize ?? 0;
+    const client = await connect("tok-acme-spend");
+    try {
+      const results = [];
+      for (let i = 0; i < 3; i++) {
+        results.push(
+          await client.callTool({ name: "summarize", arguments: { text: `report ${i}` }, _meta: { "admitd/run": "r-1" } }),
+        );
+      }
+      // 500 reserved per call, 900 settled: after two calls 200 of the day's 2000 are left.
+      assert.deepEqual(
+        results.map((r) => Boolean(r.isError)),
+        [false, false, true],
+      );
+      assert.equal(((await runs()).summarize ?? 0) - before, 2);
+      assert.deepEqual(results[1]._meta["admitd/spend"].tokens, { reserved: 500, remaining: 600, budget: "subject_daily" });
+      const refused = results[2].structuredContent;
+      assert.equal(refused.scope, "spend");
+      assert.equal(refused.unit, "tokens");
+      assert.equal(refused.budget, "subject_daily");
+      assert.equal(refused.remaining, 200);
+      assert.match(results[2].content[0].text, /2000 tokens/);
+    } finally {
+      await client.close();
+    }
+  });
+
   test("a fan-out runs exactly the admitted calls", { timeout: 60000 }, async () => {
     const before = (await runs()).fan ?? 0;
     const acme = await connect("tok-acme-fan");

@@ -26,7 +26,13 @@ const TOKENS: Record<string, { tenant: string; sub: string }> = {
   "tok-acme-outcomes": { tenant: "acme", sub: "outcomes-bot" },
   "tok-globex": { tenant: "globex", sub: "globex-bot" },
   "tok-initech": { tenant: "initech", sub: "initech-bot" },
+  "tok-acme-spend": { tenant: "acme", sub: "spend-bot" },
 };
+
+// Stands in for a model API: a summary, and the usage the API reports.
+async function callModel(prompt: string): Promise<{ text: string; usage: { total_tokens: number } }> {
+  return { text: prompt.slice(0, 40), usage: { total_tokens: 900 } };
+}
 
 function verify(header: string | undefined): AuthInfo | undefined {
   const token = header?.match(/^Bearer (.+)$/)?.[1];
@@ -36,7 +42,7 @@ function verify(header: string | undefined): AuthInfo | undefined {
 }
 
 // [integrations:typescript]
-import { Admission, UpstreamRateLimited } from "admitd-client/mcp";
+import { Admission, UpstreamRateLimited, reportSpend } from "admitd-client/mcp";
 import type { ToolExtra } from "admitd-client/mcp";
 
 // Tenant and subject come from extra.authInfo (its extra.tenant and extra.sub);
@@ -55,6 +61,20 @@ function buildServer(): McpServer {
     }),
   );
   // [/integrations:typescript]
+
+  // [integrations:typescript-spend]
+  server.registerTool(
+    "summarize",
+    { inputSchema: { text: z.string() } },
+    admission.tool("summarize", async ({ text }) => {
+      ran("summarize");
+      const answer = await callModel(`Summarize: ${text}`);
+      // What the model really used; the release settles it instead of the estimate.
+      reportSpend({ tokens: answer.usage.total_tokens });
+      return { content: [{ type: "text", text: answer.text }] };
+    }),
+  );
+  // [/integrations:typescript-spend]
 
   server.registerTool(
     "fan",

@@ -315,6 +315,31 @@ class OverAUnixSocketWithATokenRequired(unittest.TestCase):
                 cls(self.url, token="abc\r\nX-Evil: 1")
 
 
+class SpendAgainstTheDaemon(unittest.TestCase):
+    """A call's run and estimates go with its admission; what it reports spending goes with its
+    release, and the next admission sees the settled figure."""
+
+    def test_reported_spend_is_settled_at_release(self):
+        require_binary()
+        daemon = Daemon("[spend.usd]\nestimate = 0.01\nrun = 1.0\n")
+        admitd = Admitd(daemon.url)
+        try:
+            with admitd.call("t", "bot", "search", run="r-1", spend={"usd": 0.5}) as call:
+                self.assertEqual(call.spend["usd"], {"reserved": 0.5, "remaining": 0.5, "budget": "run"})
+                call.report_spend(usd=0.2)
+                call.report_spend({"usd": 0.05})
+            d = admitd.admit("t", "bot", "search", run="r-1")
+            self.assertEqual(d.spend["usd"]["remaining"], 0.74)
+            self.assertTrue(admitd.release(d.lease_id, spent={"usd": 0.75}, cost=0))
+            refused = admitd.admit("t", "bot", "search", run="r-1")
+            self.assertFalse(refused.admitted)
+            self.assertEqual(refused.scope, "spend")
+            self.assertEqual(refused.spend, {"unit": "usd", "budget": "run", "remaining": 0})
+        finally:
+            admitd.close()
+            daemon.stop()
+
+
 class WithoutTheDaemon(unittest.TestCase):
     def test_fail_open_runs_the_call_without_a_lease(self):
         client = Admitd(f"http://127.0.0.1:{closed_port()}", timeout=1)

@@ -115,6 +115,33 @@ class _EndToEnd:
         self.assertGreaterEqual(self.assertRefused(again, "upstream_penalty"), 25)
         self.assertEqual(self.runs().get("get_sales", 0), 1)  # the refused call did not run
 
+    async def test_a_tool_reports_the_tokens_its_model_used(self):
+        before = self.runs().get("summarize", 0)
+        async with self.client("tok-acme-spend") as c:
+            results = [
+                await c.call_tool("summarize", {"text": f"report {i}"}, raise_on_error=False)
+                for i in range(3)
+            ]
+        # 500 reserved per call, 900 settled: 1800 of the day's 2000 are gone after two calls,
+        # so the third does not fit its estimate and never runs.
+        self.assertEqual([r.is_error for r in results], [False, False, True])
+        self.assertEqual(self.runs().get("summarize", 0) - before, 2)
+        refused = results[2]
+        self.assertEqual(refused.structured_content["scope"], "spend")
+        self.assertEqual(refused.structured_content["unit"], "tokens")
+        self.assertEqual(refused.structured_content["budget"], "subject_daily")
+        self.assertEqual(refused.structured_content["remaining"], 200)
+        self.assertIn("2000 tokens", refused.content[0].text)
+        self.assertTrue(refused.structured_content["retryable"])
+        if self.sdk == "fastmcp":
+            # What the budget had left after the second call's reservation (settled at 900 after).
+            spend = _spend_of(results[1])
+            self.assertEqual(
+                spend.get("tokens"),
+                {"reserved": 500, "remaining": 600, "budget": "subject_daily"},
+                results[1],
+            )
+
     async def test_a_failed_or_cancelled_call_gives_its_slot_back(self):
         async with self.client("tok-acme-outcomes") as c:
             failed = await c.call_tool("fails", {"n": 1}, raise_on_error=False)
@@ -132,6 +159,12 @@ class _EndToEnd:
             while self.inflight("acme") != 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             self.assertEqual(self.inflight("acme"), 0)
+
+
+def _spend_of(result) -> dict:
+    """The spend budgets an admitted result carries in its ``_meta`` (empty when it has none)."""
+    meta = getattr(result, "meta", None) or getattr(result, "_meta", None) or {}
+    return meta.get("admitd/spend", {})
 
 
 class _Session:

@@ -35,7 +35,7 @@ MCP SDK adapters, which do all of the above for every tool: ``admitd_client.fast
 """
 
 from ._async import AsyncAdmitd
-from ._guard import UpstreamRateLimited, claims_identity, report_upstream
+from ._guard import UpstreamRateLimited, claims_identity, report_spend, report_upstream
 from ._sync import Admitd
 from ._wire import (
     DEFAULT_URL,
@@ -63,5 +63,6 @@ __all__ = [
     "Outage",
     "UpstreamRateLimited",
     "claims_identity",
+    "report_spend",
     "report_upstream",
 ]

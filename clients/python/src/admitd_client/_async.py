@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Dict, List, Optional, Set, Tuple
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Set, Tuple
 
 from . import _wire
 from ._wire import (
@@ -237,10 +237,12 @@ class AsyncAdmitd:
         max_wait_ms: Optional[float] = None,
         call_id: Optional[str] = None,
         traceparent: Optional[str] = None,
+        run: Optional[str] = None,
+        spend: Optional[Mapping[str, float]] = None,
     ) -> Decision:
         """Asks whether the call may run (see ``Admitd.admit``)."""
         body, headers, hold_s = _wire.admit_request(
-            tenant, subject, tool, upstream, cost, max_wait_ms, call_id, traceparent
+            tenant, subject, tool, upstream, cost, max_wait_ms, call_id, traceparent, run, spend
         )
         try:
             status, hdrs, answer = await self._request("POST", "/v1/admit", body, headers, hold_s)
@@ -258,9 +260,13 @@ class AsyncAdmitd:
         upstream_status: Optional[int] = None,
         retry_after: Optional[RetryAfter] = None,
         duration_ms: Optional[float] = None,
+        spent: Optional[Mapping[str, float]] = None,
+        cost: Optional[float] = None,
     ) -> bool:
         """Releases a lease (see ``Admitd.release``)."""
-        body = _wire.release_request(lease_id, outcome, upstream_status, retry_after, duration_ms)
+        body = _wire.release_request(
+            lease_id, outcome, upstream_status, retry_after, duration_ms, spent, cost
+        )
         return await self._release(body)
 
     async def _release(self, body: Dict[str, Any]) -> bool:

@@ -74,6 +74,38 @@ def report_upstream(status: int, retry_after: Optional[RetryAfter] = None) -> bo
     return True
 
 
+def report_spend(
+    spent: Optional[Mapping[str, float]] = None, *, cost: Optional[float] = None, **units: float
+) -> bool:
+    """Records what the guarded tool call actually spent, from inside the tool: per spend unit
+    (``report_spend(tokens=usage.total_tokens)``, added up over several reports) and, with
+    ``cost``, its actual cost in cost units (``report_spend(cost=0)`` for a cache hit). The
+    adapter's release settles them instead of admitd's estimates. Returns False (and does
+    nothing) outside a guarded tool call."""
+    call = _current.get()
+    if call is None:
+        log.debug("report_spend outside a guarded tool call: ignored")
+        return False
+    call.report_spend(spent, cost=cost, **units)
+    return True
+
+
+#: The request ``_meta`` key the MCP adapters read an agent run's id from (``run`` in admitd), and
+#: the result ``_meta`` key they report the call's spend budgets under.
+RUN_META = "admitd/run"
+SPEND_META = "admitd/spend"
+
+
+def run_of(meta: Any) -> Optional[str]:
+    """The agent run a request's ``_meta`` names (``{"admitd/run": "r-17"}``), if any."""
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping):
+        meta = getattr(meta, "model_extra", None) or getattr(meta, "__dict__", {})
+    run = meta.get(RUN_META) if isinstance(meta, Mapping) else None
+    return run if isinstance(run, str) and run else None
+
+
 class IdentityError(LookupError):
     """The request carries no validated identity admitd could key on."""
 
@@ -154,6 +186,8 @@ class Guard:
         is_error: Callable[[T], bool],
         upstream: Optional[str] = None,
         cost: Optional[float] = None,
+        run_id: Optional[str] = None,
+        annotate: Optional[Callable[[T, Dict[str, Any]], T]] = None,
     ) -> Union[T, R]:
         """Admits the call, runs it only when admitted, and releases it after it ran:
         ``error`` when it raised or returned an error result, ``cancelled`` when cancelled,
@@ -170,6 +204,7 @@ class Guard:
             upstream=upstream if upstream is not None else self.upstreams.get(tool),
             cost=cost if cost is not None else self.costs.get(tool),
             max_wait_ms=self.max_wait_ms,
+            run=run_id,
         )
         call = Call(decision)
         if not call.admitted:
@@ -188,4 +223,7 @@ class Guard:
         finally:
             _current.reset(reset)
         await self.admitd.finish(call, "error" if is_error(result) else "ok")
+        if annotate is not None and call.spend:
+            # What each budget has left after this call, for the agent to see.
+            result = annotate(result, call.spend)
         return result

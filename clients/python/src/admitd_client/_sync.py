@@ -7,7 +7,7 @@ import http.client
 import socket
 import threading
 import weakref
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from . import _wire
 from ._wire import (
@@ -193,12 +193,14 @@ class Admitd:
         max_wait_ms: Optional[float] = None,
         call_id: Optional[str] = None,
         traceparent: Optional[str] = None,
+        run: Optional[str] = None,
+        spend: Optional[Mapping[str, float]] = None,
     ) -> Decision:
         """Asks whether the call may run. ``subject`` must come from the validated credential, never
         from anything the model wrote. Pass the incoming request's W3C ``traceparent`` to join the
         caller's trace."""
         body, headers, hold_s = _wire.admit_request(
-            tenant, subject, tool, upstream, cost, max_wait_ms, call_id, traceparent
+            tenant, subject, tool, upstream, cost, max_wait_ms, call_id, traceparent, run, spend
         )
         try:
             status, hdrs, answer = self._request("POST", "/v1/admit", body, headers, hold_s)
@@ -216,11 +218,15 @@ class Admitd:
         upstream_status: Optional[int] = None,
         retry_after: Optional[RetryAfter] = None,
         duration_ms: Optional[float] = None,
+        spent: Optional[Mapping[str, float]] = None,
+        cost: Optional[float] = None,
     ) -> bool:
         """Releases a lease. ``retry_after`` is the upstream's ``Retry-After`` value as it came
         (delay-seconds or an HTTP-date). True when released, False when admitd no longer knew the
         lease (released already, or expired after ``lease_ttl``)."""
-        body = _wire.release_request(lease_id, outcome, upstream_status, retry_after, duration_ms)
+        body = _wire.release_request(
+            lease_id, outcome, upstream_status, retry_after, duration_ms, spent, cost
+        )
         return self._release(body)
 
     def _release(self, body: Dict[str, Any]) -> bool:

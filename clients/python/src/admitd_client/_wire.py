@@ -58,6 +58,10 @@ class Decision:
     body: Dict[str, Any] = field(default_factory=dict)
     #: Response headers, lower-case names (``ratelimit``, ``ratelimit-policy``, ``retry-after``).
     headers: Dict[str, str] = field(default_factory=dict)
+    #: Spend budgets (``[spend.*]``), per unit: ``{"usd": {"reserved": 0.05, "remaining": 0.93,
+    #: "budget": "run"}}`` when admitted; on a ``spend`` refusal ``{"unit": ..., "budget": ...,
+    #: "remaining": ...}``. Empty without spend budgets.
+    spend: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,8 @@ def admit_request(
     max_wait_ms: Optional[float],
     call_id: Optional[str],
     traceparent: Optional[str],
+    run: Optional[str] = None,
+    spend: Optional[Mapping[str, float]] = None,
 ) -> Tuple[Dict[str, Any], Dict[str, str], float]:
     """The admission's body, headers, and how long admitd may hold it before it answers (s)."""
     body: Dict[str, Any] = {"tenant": tenant, "subject": subject, "tool": tool}
@@ -138,6 +144,8 @@ def admit_request(
         ("cost", cost),
         ("max_wait_ms", max_wait_ms),
         ("call_id", call_id),
+        ("run", run),
+        ("spend", dict(spend) if spend else None),
     ):
         if value is not None:
             body[key] = value
@@ -157,6 +165,7 @@ def decision(status: int, headers: Dict[str, str], answer: Any) -> Decision:
             mode=str(answer.get("mode", "enforce")),
             body=answer,
             headers=headers,
+            spend=answer.get("spend") or {},
         )
     if status == 429 and isinstance(answer, dict):
         return Decision(
@@ -167,6 +176,7 @@ def decision(status: int, headers: Dict[str, str], answer: Any) -> Decision:
             tool_result=answer.get("tool_result"),
             body=answer,
             headers=headers,
+            spend={k: answer[k] for k in ("unit", "budget", "remaining") if k in answer},
         )
     raise error(status, answer)
 
@@ -271,6 +281,8 @@ def release_request(
     upstream_status: Optional[int],
     retry_after: Optional[RetryAfter],
     duration_ms: Optional[float],
+    spent: Optional[Mapping[str, float]] = None,
+    cost: Optional[float] = None,
 ) -> Dict[str, Any]:
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome must be one of {OUTCOMES}, not {outcome!r}")
@@ -281,6 +293,10 @@ def release_request(
         body["retry_after"] = retry_after_value(retry_after)
     if duration_ms is not None and duration_ms == duration_ms:  # NaN never goes on the wire
         body["duration_ms"] = max(0, int(round(duration_ms)))
+    if spent:
+        body["spent"] = {unit: float(x) for unit, x in spent.items()}
+    if cost is not None:
+        body["cost"] = float(cost)
     return body
 
 
@@ -326,6 +342,11 @@ class Call:
         self.outcome: Optional[str] = None
         self.upstream_status: Optional[int] = None
         self.retry_after: Optional[RetryAfter] = None
+        #: What the call actually spent per spend unit, settled at its release (see
+        #: ``report_spend``); units left out keep admitd's estimate.
+        self.spent: Dict[str, float] = {}
+        #: What the call actually cost in cost units (0 for a cache hit); None keeps the estimate.
+        self.cost: Optional[float] = None
         self._started = time.monotonic()
         self._released = False
 
@@ -345,6 +366,23 @@ class Call:
         if retry_after is not None:
             self.retry_after = retry_after
 
+    def report_spend(
+        self, spent: Optional[Mapping[str, float]] = None, *, cost: Optional[float] = None, **units: float
+    ) -> None:
+        """Records what the call actually spent (``report_spend(tokens=1234, usd=0.013)``,
+        added up over several reports) and, with ``cost``, its actual cost in cost units; its
+        release settles them instead of the estimates."""
+        for unit, x in {**dict(spent or {}), **units}.items():
+            self.spent[unit] = self.spent.get(unit, 0.0) + float(x)
+        if cost is not None:
+            self.cost = float(cost)
+
+    @property
+    def spend(self) -> Dict[str, Any]:
+        """Per spend unit what this call reserved and what its budgets have left (see
+        ``Decision.spend``)."""
+        return self.decision.spend
+
     def _release_body(self, default: str) -> Optional[Dict[str, Any]]:
         """The release to send once (None when there is no lease or it went already)."""
         lease = self.decision.lease_id
@@ -360,4 +398,6 @@ class Call:
             self.upstream_status,
             self.retry_after,
             (time.monotonic() - self._started) * 1000.0,
+            self.spent,
+            self.cost,
         )

@@ -14,6 +14,10 @@ whatever the tool's return type or output schema. An admitted call is released a
 ran: ``ok``; ``error`` when it raised or returned an error result; ``cancelled`` when the request
 was cancelled; ``upstream_rate_limited`` when the tool raised ``UpstreamRateLimited`` or called
 ``report_upstream(429, retry_after)``.
+
+Spend budgets: a tool calls ``report_spend(tokens=...)`` (or ``cost=0`` for a cache hit) and the
+release settles it; the agent run is read from the request's ``_meta["admitd/run"]``, and the
+result carries what each budget has left in its ``_meta["admitd/spend"]``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,16 @@ from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import ToolResult
 
 from ._async import AsyncAdmitd
-from ._guard import Guard, Identity, UpstreamRateLimited, claims_identity, report_upstream
+from ._guard import (
+    SPEND_META,
+    Guard,
+    Identity,
+    UpstreamRateLimited,
+    claims_identity,
+    report_spend,
+    report_upstream,
+    run_of,
+)
 from ._wire import DEFAULT_URL
 
 __all__ = [
@@ -34,6 +47,7 @@ __all__ = [
     "UpstreamRateLimited",
     "claims_identity",
     "refusal_result",
+    "report_spend",
     "report_upstream",
 ]
 
@@ -89,4 +103,17 @@ class AdmitdMiddleware(Middleware):
             lambda: call_next(context),
             refusal_result,
             lambda result: bool(result.is_error),
+            run_id=run_of(context.message.meta),
+            annotate=_with_spend,
         )
+
+
+def _with_spend(result: ToolResult, spend: Dict[str, Any]) -> ToolResult:
+    """The tool's result with the call's spend budgets in its ``_meta``."""
+    meta = dict(getattr(result, "meta", None) or {})
+    meta[SPEND_META] = spend
+    try:
+        result.meta = meta
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return result

@@ -20,6 +20,11 @@ and admitd's ``structuredContent``, whatever the tool's return type or output sc
 call is released after the tool ran: ``ok``; ``error`` when it raised or returned an error result;
 ``cancelled`` when the request was cancelled; ``upstream_rate_limited`` when the tool raised
 ``UpstreamRateLimited`` or called ``report_upstream(429, retry_after)``.
+
+Spend budgets: a tool calls ``report_spend(tokens=...)`` (or ``cost=0`` for a cache hit) and the
+release settles it. The low-level wrapper passes the agent run named in the request's
+``_meta["admitd/run"]`` to admitd, and a ``CallToolResult`` comes back with what each budget has
+left in its ``_meta["admitd/spend"]``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ import mcp_types as mt
 from mcp.server.auth.middleware.auth_context import get_access_token
 
 from ._async import AsyncAdmitd
-from ._guard import Guard, Identity, UpstreamRateLimited, claims_identity, report_upstream
+from ._guard import (
+    SPEND_META,
+    Guard,
+    Identity,
+    UpstreamRateLimited,
+    claims_identity,
+    report_spend,
+    report_upstream,
+    run_of,
+)
 from ._wire import DEFAULT_URL
 
 __all__ = [
@@ -41,6 +55,7 @@ __all__ = [
     "UpstreamRateLimited",
     "claims_identity",
     "refusal_result",
+    "report_spend",
     "report_upstream",
 ]
 
@@ -52,6 +67,16 @@ Handler = Callable[[Ctx, mt.CallToolRequestParams], Awaitable[Any]]
 def refusal_result(tool_result: Dict[str, Any]) -> mt.CallToolResult:
     """admitd's ``tool_result`` (JSON) as the SDK's ``CallToolResult``, ``isError`` kept."""
     return mt.CallToolResult.model_validate(tool_result)
+
+
+def _with_spend(result: Any, spend: Dict[str, Any]) -> Any:
+    """A ``CallToolResult`` with the call's spend budgets in its ``_meta`` (another return value
+    goes back unchanged: the SDK builds its result)."""
+    if isinstance(result, mt.CallToolResult):
+        meta = dict(result.meta or {})
+        meta[SPEND_META] = spend
+        return result.model_copy(update={"meta": meta})
+    return result
 
 
 def _is_error(result: Any) -> bool:
@@ -109,6 +134,7 @@ class Admission:
                     _is_error,
                     upstream=upstream,
                     cost=cost,
+                    annotate=_with_spend,
                 )
 
             return guarded  # type: ignore[return-value]
@@ -126,6 +152,8 @@ class Admission:
                 lambda: handler(ctx, params),
                 refusal_result,
                 _is_error,
+                run_id=run_of(params.meta),
+                annotate=_with_spend,
             )
 
         return guarded

@@ -43,6 +43,27 @@ async def get_sales(region: str) -> str:
 # [/integrations:fastmcp]
 
 
+async def call_model(prompt: str) -> tuple[str, dict]:
+    """Stands in for a model API: a summary, and the usage the API reports (as OpenAI's and
+    Anthropic's do)."""
+    await asyncio.sleep(0)
+    return prompt[:40], {"total_tokens": 900}
+
+
+# [integrations:spend]
+from admitd_client.fastmcp import report_spend
+
+
+@mcp.tool
+async def summarize(text: str) -> str:
+    RUNS["summarize"] += 1
+    summary, usage = await call_model(f"Summarize: {text}")
+    # What the model really used; the release settles it instead of the estimate.
+    report_spend(tokens=usage["total_tokens"])
+    return summary
+# [/integrations:spend]
+
+
 class Report(BaseModel):
     region: str
     total: int

@@ -58,6 +58,25 @@ async def get_sales(region: str) -> str:
 # [/integrations:mcp]
 
 
+async def call_model(prompt: str) -> tuple[str, dict]:
+    """Stands in for a model API: a summary, and the usage the API reports (as OpenAI's and
+    Anthropic's do)."""
+    await asyncio.sleep(0)
+    return prompt[:40], {"total_tokens": 900}
+
+
+from admitd_client.mcp import report_spend
+
+
+@server.tool()
+@admission.tool()
+async def summarize(text: str) -> str:
+    RUNS["summarize"] += 1
+    summary, usage = await call_model(f"Summarize: {text}")
+    report_spend(tokens=usage["total_tokens"])
+    return summary
+
+
 class Report(BaseModel):
     region: str
     total: int

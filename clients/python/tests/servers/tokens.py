@@ -6,4 +6,5 @@ TOKENS = {
     "tok-acme-outcomes": {"tenant": "acme", "sub": "outcomes-bot"},
     "tok-globex": {"tenant": "globex", "sub": "globex-bot"},
     "tok-initech": {"tenant": "initech", "sub": "initech-bot"},
+    "tok-acme-spend": {"tenant": "acme", "sub": "spend-bot"},
 }
