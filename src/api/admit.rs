@@ -757,7 +757,7 @@ fn answer_task(
                     .then(|| ceil_ms(a.hold_ns)),
                 poll_interval_ms,
                 unchecked: a.unchecked.then_some(true),
-                spend: a.spend.as_deref().map(SpendField),
+                spend: a.spend.as_deref().map(|v| SpendField(v)),
             };
             event.unchecked = a.unchecked;
             let r = super::json_response(StatusCode::OK, write_admitted(&body));

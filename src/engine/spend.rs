@@ -51,6 +51,9 @@ impl SpendBudget {
     }
 }
 
+/// Every unit's [`SpendView`] of one admission.
+pub type SpendViews = SmallVec<[SpendView; 2]>;
+
 /// What an admitted call reserved in one unit, and the least any budget of the unit has left after
 /// it (`None` when no budget of the unit applies).
 #[derive(Debug, Clone, PartialEq)]
@@ -188,7 +191,7 @@ impl SpendLedger {
         estimates: &[f64],
         day: i64,
         now: Nanos,
-    ) -> Result<SmallVec<[SpendView; 2]>, SpendShort> {
+    ) -> Result<SpendViews, SpendShort> {
         self.roll(day);
         let mut views = SmallVec::new();
         for (i, unit) in b.names.iter().enumerate() {
@@ -221,6 +224,7 @@ impl SpendLedger {
 
     /// Reserves a call's estimates for lease `lease` in its day, subject and run (after a
     /// successful [`SpendLedger::check`] on the same state).
+    #[allow(clippy::too_many_arguments)] // each is one fact of the call; a struct would only rename them
     pub fn reserve(
         &mut self,
         lease: u64,
@@ -455,6 +459,12 @@ impl SpendLedger {
     }
 }
 
+/// Figures by unit name.
+pub type NamedFigures = Vec<(String, f64)>;
+
+/// A run as the state file keeps it: its name, its figures, and how long it had been idle (ns).
+pub type DurableRun = (String, NamedFigures, u64);
+
 /// A tenant's spend as the state file keeps it.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DurableSpend {
@@ -465,7 +475,7 @@ pub struct DurableSpend {
     pub subjects: Vec<(String, Vec<(String, f64)>)>,
     /// Each run: its figures and how long it had been idle when written (ns).
     #[serde(default)]
-    pub runs: Vec<(String, Vec<(String, f64)>, u64)>,
+    pub runs: Vec<DurableRun>,
 }
 
 impl DurableSpend {

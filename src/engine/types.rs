@@ -172,7 +172,8 @@ pub struct Admitted {
     /// Admitted without any check: the shared store did not answer and `on_error = "fail_open"`.
     pub unchecked: bool,
     /// What the call reserved per spend unit and what is left (`None` without `[spend.*]`).
-    pub spend: Option<Box<[super::spend::SpendView]>>,
+    /// Boxed behind one thin pointer: a decision is moved several times on its way out.
+    pub spend: Option<Box<super::spend::SpendViews>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -466,7 +466,7 @@ impl TenantEngine {
     }
 
     /// The answer's spend: per unit what was reserved and the least any budget has left.
-    fn remote_views(call: &RemoteCall, left: &[f64]) -> Option<Box<[SpendView]>> {
+    fn remote_views(call: &RemoteCall, left: &[f64]) -> Option<Box<SpendViews>> {
         if call.spend.is_empty() {
             return None;
         }
@@ -485,7 +485,7 @@ impl TenantEngine {
                 remaining: least,
             }
         });
-        Some(views.collect())
+        Some(Box::new(views.collect()))
     }
 
     /// What an answer from `upstream` changes in the store, as this tenant's config says.

@@ -23,7 +23,7 @@ impl TenantEngine {
         sp: &ResolvedSpend,
         day: i64,
         now: Nanos,
-    ) -> Result<SmallVec<[SpendView; 2]>, SpendShort> {
+    ) -> Result<crate::engine::spend::SpendViews, SpendShort> {
         let b = Budgets {
             units: &self.policy.cfg.spend.units,
             budgets: &self.policy.spend,
