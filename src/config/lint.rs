@@ -113,8 +113,8 @@ pub fn near_misses(file: &str, text: &str) -> Vec<ConfigError> {
         .map(|(n, _)| n.as_str())
         .collect();
     // One entry per kind of name: what it is called, its section, the declared names, the uses.
-    // Spend units join here once `[spend.*]` exists: the keys of `raw.spend` as declared, the keys
-    // of every `[tools.NAME.spend]` as uses (key `tools.NAME.spend`, the span of each value).
+    // Spend units need no entry: a `[tools.NAME.spend]` or `[plans.NAME.spend.UNIT]` naming a unit
+    // that is not declared is an error at validation, which lists the declared units.
     let checks = [("upstream", "upstreams", upstreams, upstream_uses(&raw))];
     let mut out: Vec<(usize, ConfigError)> = Vec::new();
     for (what, section, declared, uses) in checks {
