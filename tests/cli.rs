@@ -109,6 +109,19 @@ fn a_name_that_looks_like_a_typo_of_a_declared_one_is_a_warning_on_its_line() {
         ),
         "{err}"
     );
+    // So must a spend unit a tool's estimates are in: the error names the near unit.
+    let (code, out, err) = check(
+        "[spend.usd]\nestimate = 0.01\ntenant_daily = 5\n\
+         [tools.summarize.spend]\nusd = 0.02\n\
+         [tools.translate.spend]\nuds = 0.02\n",
+    );
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.starts_with(
+            "admitd.toml:7: tools.translate.spend.uds: unknown spend unit \"uds\" (did you mean \"usd\"?"
+        ),
+        "{err}"
+    );
 }
 
 /// `check` names the store `serve` would use, and never a Redis password.

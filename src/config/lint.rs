@@ -9,8 +9,10 @@
 //! same rule to say which plan was probably meant ([`did_you_mean`]).
 //!
 //! Every check is a list of declared names and a list of used names with where they are; a new kind
-//! of name (the spend units of `[spend.*]`, used as `[tools.NAME.spend]` keys) adds one pair in
-//! [`near_misses`].
+//! of name adds one pair in [`near_misses`]. The spend units of `[spend.*]` (used as
+//! `[tools.NAME.spend]` and `[plans.NAME.spend.UNIT]` keys) need none: an undeclared unit is an
+//! error, since an estimate or budget of no unit could only be dropped, and its message names the
+//! near unit with the same rule ([`did_you_mean`]).
 
 use std::ops::Range;
 
@@ -114,7 +116,7 @@ pub fn near_misses(file: &str, text: &str) -> Vec<ConfigError> {
         .collect();
     // One entry per kind of name: what it is called, its section, the declared names, the uses.
     // Spend units need no entry: a `[tools.NAME.spend]` or `[plans.NAME.spend.UNIT]` naming a unit
-    // that is not declared is an error at validation, which lists the declared units.
+    // that is not declared is an error at validation, which says "did you mean" the near unit.
     let checks = [("upstream", "upstreams", upstreams, upstream_uses(&raw))];
     let mut out: Vec<(usize, ConfigError)> = Vec::new();
     for (what, section, declared, uses) in checks {
@@ -169,6 +171,37 @@ mod tests {
         assert_eq!(distance("ab", "ba"), 1);
         assert_eq!(did_you_mean("fre", ["pro", "free", "team"]), Some("free"));
         assert_eq!(did_you_mean("enterprise", ["pro", "free"]), None);
+    }
+
+    /// A spend unit near a declared one is not a warning but an error (an estimate or budget in no
+    /// unit could only be dropped), and the error names the unit that was probably meant.
+    #[test]
+    fn a_spend_unit_near_a_declared_one_is_an_error_that_names_it() {
+        let units =
+            "[spend.usd]\nestimate = 0.01\ntenant_daily = 5\n[spend.tokens]\nestimate = 100\n";
+        let err = |rest: &str| {
+            let text = format!("{units}{rest}");
+            assert!(
+                near_misses("a.toml", &text).is_empty(),
+                "no warning beside the error"
+            );
+            super::super::Config::parse("a.toml", &text)
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            err("[tools.summarize.spend]\nuds = 0.02\n"),
+            "a.toml:7: tools.summarize.spend.uds: unknown spend unit \"uds\" (did you mean \"usd\"? configured units: tokens, usd)"
+        );
+        assert_eq!(
+            err("[plans.free.spend.Tokens]\nrun = 5\n"),
+            "a.toml:6: plans.free.spend.Tokens: unknown spend unit \"Tokens\" (did you mean \"tokens\"? configured units: tokens, usd)"
+        );
+        // A unit like none of them lists them without a guess.
+        assert_eq!(
+            err("[tools.summarize.spend]\nrows = 1\n"),
+            "a.toml:7: tools.summarize.spend.rows: unknown spend unit \"rows\" (configured units: tokens, usd)"
+        );
     }
 
     #[test]

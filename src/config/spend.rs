@@ -291,10 +291,15 @@ impl Validator<'_> {
             Some(i) => Ok(i),
             None => {
                 let known: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
-                let known = if known.is_empty() {
-                    "no [spend.NAME] unit is configured".to_string()
-                } else {
-                    format!("configured units: {}", known.join(", "))
+                // A typo of a configured unit is the likely cause: name it first, as an unknown
+                // plan's error does.
+                let meant = super::lint::did_you_mean(unit, known.iter().copied());
+                let known = match meant {
+                    Some(m) => {
+                        format!("did you mean {m:?}? configured units: {}", known.join(", "))
+                    }
+                    None if known.is_empty() => "no [spend.NAME] unit is configured".to_string(),
+                    None => format!("configured units: {}", known.join(", ")),
                 };
                 self.err(
                     span,
