@@ -171,6 +171,52 @@ fn without_a_metrics_token_the_view_is_open_like_metrics() {
         "{v}"
     );
     assert_eq!(names(&v), ["solo"]);
+    // No spend budget is configured: no spend in the view.
+    assert!(v["tenants"][0].get("spend_left").is_none(), "{v}");
+}
+
+/// With a `tenant_daily` budget, each listed tenant shows what it has left today: the reservations
+/// of its calls in flight and what its released calls actually spent, the same figure as the
+/// `admitd_spend_daily_remaining` gauge. A unit without such a budget is not shown.
+#[test]
+fn spend_left_shows_what_each_tenants_daily_budget_has_left() {
+    let d = Daemon::start(
+        "[limits.subject]\nrate = \"100/s\"\nburst = 100\n\
+         [spend.usd]\nestimate = 0.5\ntenant_daily = 5\n\
+         [spend.tokens]\nestimate = 100\n",
+    );
+    let mut leases = Vec::new();
+    for _ in 0..3 {
+        let a = d.admit(json!({"tenant": "acme", "subject": "bot", "tool": "t", "max_wait_ms": 0}));
+        assert_eq!(a.status, 200, "{}", a.body);
+        leases.push(a.body["lease_id"].as_str().unwrap().to_string());
+    }
+    let r = d.post(
+        "/v1/release",
+        json!({"lease_id": leases[0], "outcome": "ok", "spent": {"usd": 0.25}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Two reservations of 0.5 and one call that spent 0.25: 3.75 of 5 left.
+    let mut v = Value::Null;
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            v = get(&d, "/v1/tenants", None).1;
+            v["tenants"][0]["spend_left"] == json!({"usd": 3.75})
+        }),
+        "{v}"
+    );
+    // The gauge is set from the same report, by another actor: it may follow a moment later.
+    let mut metrics = String::new();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            metrics = d.get("/metrics").body.as_str().unwrap_or("").to_string();
+            common::metric(
+                &metrics,
+                "admitd_spend_daily_remaining{tenant=\"acme\",unit=\"usd\"}",
+            ) == Some(3.75)
+        }),
+        "{metrics}"
+    );
 }
 
 /// `admitd top --once` with these arguments and environment: (exit success, stdout, stderr).

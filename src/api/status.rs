@@ -308,6 +308,7 @@ mod tests {
             top_scope: Some("subject"),
             top_scope_shed: 10,
             inflight: 1,
+            spend_left: None,
             alerts: vec!["shed_ratio_high"],
             history: Some(history),
         }

@@ -80,6 +80,9 @@ pub(super) struct TenantAlert {
     pub(super) shed: u64,
     /// Calls in flight at the tenant's latest report.
     pub(super) inflight: u32,
+    /// What each unit's tenant daily budget had left at the tenant's latest report (units with
+    /// such a budget only).
+    pub(super) spend_left: Vec<(Arc<str>, f64)>,
     pub(super) scopes: super::live::ScopeWindow,
     pending_since: Option<Nanos>,
     pub(super) firing_since_ms: Option<i64>,
@@ -179,6 +182,19 @@ impl AlertEvaluator {
                     },
                 );
             }
+        }
+    }
+
+    /// Notes what each unit's tenant daily budget has left, from the tenant's report. Only a tenant
+    /// the view holds keeps it: spend left alone does not put a tenant at rest in the view.
+    pub fn set_spend_left<'a>(
+        &mut self,
+        tenant: &Arc<str>,
+        left: impl Iterator<Item = (&'a Arc<str>, f64)>,
+    ) {
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            t.spend_left.clear();
+            t.spend_left.extend(left.map(|(u, x)| (u.clone(), x)));
         }
     }
 
@@ -363,6 +379,10 @@ impl AlertActor {
                     } => {
                         self.evaluator.record(tenant, *calls, now);
                         self.evaluator.set_inflight(tenant, gauges.inflight);
+                        self.evaluator.set_spend_left(
+                            tenant,
+                            gauges.spend_daily_left().map(|(u, left, _)| (u, left)),
+                        );
                     }
                     TenantEvent::Calls { tenant, calls } => {
                         self.evaluator.record(tenant, *calls, now);

@@ -14,7 +14,7 @@
 //! state worth listing. The per-tenant history the status page charts is the alert window's slots
 //! themselves (at most 60 per tenant), so the view holds no history of its own.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -184,8 +184,11 @@ pub struct TenantRow {
     pub inflight: u32,
     /// The alerts firing for this tenant now.
     pub alerts: Vec<&'static str>,
-    // Spend left (`spend`, per unit, the least any budget of the unit has left) belongs here once
-    // spend budgets exist: it is read from the tenant's report like `inflight`.
+    /// Per spend unit with a `tenant_daily` budget, what that budget has left today (UTC; below
+    /// zero when overspent), as of the tenant's latest report like `inflight`. Absent when no unit
+    /// has such a budget for this tenant.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spend_left: Option<BTreeMap<String, f64>>,
     /// `(seconds before now, admitted, shed)` per slot of the window, oldest first; only when asked.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub history: Option<Vec<(f64, u64, u64)>>,
@@ -211,6 +214,16 @@ where
         if let Some(tx) = tx {
             let _ = tx.send(self);
         }
+    }
+}
+
+/// A figure without the float noise of sums (4.970000000000001 is 4.97), as admissions show spend.
+fn clean(x: f64) -> f64 {
+    let r = (x * 1e9).round() / 1e9;
+    if r == 0.0 {
+        0.0
+    } else {
+        r
     }
 }
 
@@ -291,6 +304,12 @@ impl AlertEvaluator {
                     top_scope: top.map(|(s, _)| s.as_str()),
                     top_scope_shed: top.map_or(0, |(_, n)| n),
                     inflight: t.inflight,
+                    spend_left: (!t.spend_left.is_empty()).then(|| {
+                        t.spend_left
+                            .iter()
+                            .map(|(u, x)| (u.to_string(), clean(*x)))
+                            .collect()
+                    }),
                     alerts: if t.firing_since_ms.is_some() {
                         vec![SHED_RATIO_ALERT]
                     } else {
@@ -399,6 +418,50 @@ mod tests {
         assert_eq!(order(&mut e, SortField::Tenant), "busy,half,looping,quiet");
         let busy = e.page(&query(SortField::Inflight, 1, None), 10 * SEC);
         assert_eq!(busy.tenants[0].inflight, 7);
+    }
+
+    /// Spend left comes from the tenant's report, the same figures as the
+    /// `admitd_spend_daily_remaining` gauge: units with a `tenant_daily` budget only, and no field
+    /// at all for a tenant without one.
+    #[test]
+    fn spend_left_is_each_daily_budgets_rest_from_the_report() {
+        let mut e = four();
+        let gauges = crate::engine::TenantGauges {
+            spend: vec![
+                (Arc::from("usd"), 0.01 + 0.01 + 0.01, Some(5.0)),
+                (Arc::from("tokens"), 900.0, None),
+                (Arc::from("rows"), 12.0, Some(10.0)),
+            ],
+            ..Default::default()
+        };
+        e.set_spend_left(
+            &Arc::from("half"),
+            gauges.spend_daily_left().map(|(u, left, _)| (u, left)),
+        );
+        // A tenant the view does not hold is not added for its spend alone.
+        e.set_spend_left(
+            &Arc::from("absent"),
+            gauges.spend_daily_left().map(|(u, left, _)| (u, left)),
+        );
+        let p = e.page(&query(SortField::Tenant, 10, None), 10 * SEC);
+        assert_eq!(names(&p), ["busy", "half", "looping", "quiet"]);
+        let half = &p.tenants[1];
+        let want: BTreeMap<String, f64> = [("rows".to_string(), -2.0), ("usd".to_string(), 4.97)]
+            .into_iter()
+            .collect();
+        assert_eq!(half.spend_left, Some(want));
+        let json = serde_json::to_value(half).unwrap();
+        assert_eq!(
+            json["spend_left"],
+            serde_json::json!({"rows": -2.0, "usd": 4.97})
+        );
+        assert_eq!(p.tenants[0].spend_left, None);
+        let json = serde_json::to_value(&p.tenants[0]).unwrap();
+        assert!(json.get("spend_left").is_none(), "{json}");
+        // A later report without budgets (a reload removed them) takes the field away.
+        e.set_spend_left(&Arc::from("half"), std::iter::empty());
+        let p = e.page(&query(SortField::Tenant, 10, None), 10 * SEC);
+        assert_eq!(p.tenants[1].spend_left, None);
     }
 
     #[test]

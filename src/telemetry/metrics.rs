@@ -525,8 +525,7 @@ impl MetricsActor {
                             )
                             .set(gauges.tasks as f64);
                     }
-                    for (unit, spent, budget) in &gauges.spend {
-                        let Some(budget) = budget else { continue };
+                    for (unit, left, budget) in gauges.spend_daily_left() {
                         let i = match g.spend.iter().position(|(u, _, _)| u == unit) {
                             Some(i) => i,
                             None => {
@@ -540,8 +539,8 @@ impl MetricsActor {
                                 g.spend.len() - 1
                             }
                         };
-                        g.spend[i].1.set(budget - spent);
-                        g.spend[i].2.set(*budget);
+                        g.spend[i].1.set(left);
+                        g.spend[i].2.set(budget);
                     }
                     for (unit, x) in &gauges.spend_settled {
                         self.histograms.spend.add(&[&tenant, unit], *x);

@@ -37,6 +37,17 @@ pub struct TenantGauges {
     pub spend_settled: Vec<(Arc<str>, f64)>,
 }
 
+impl TenantGauges {
+    /// What the tenant's daily budget of each unit has left today (below zero when overspent), with
+    /// that budget; units without a `tenant_daily` budget are skipped. The one place this figure is
+    /// worked out: the `admitd_spend_daily_remaining` gauge and the live view's `spend_left` read it.
+    pub fn spend_daily_left(&self) -> impl Iterator<Item = (&Arc<str>, f64, f64)> {
+        self.spend
+            .iter()
+            .filter_map(|(unit, spent, budget)| budget.map(|b| (unit, b - spent, b)))
+    }
+}
+
 /// One spend unit as the tenant snapshot shows it.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct SpendSnapshot {
