@@ -1,6 +1,7 @@
 //! `admitd top`: a terminal view of a running daemon, refreshed every second, in the spirit of
 //! `htop` and `redis-cli --stat`: the tenants most shed first (from `GET /v1/tenants`), each with
-//! the scope that sheds it, its calls in flight and its alerts, under a line with the store's state
+//! the scope that sheds it, its calls in flight, its daily spend left (a column shown only when
+//! some tenant has a daily spend budget) and its alerts, under a line with the store's state
 //! (`GET /readyz`). `--once` prints one view and exits, for scripts and tests.
 //!
 //! It reaches the daemon over TCP or its Unix socket (`unix:/PATH`, as `admitd health` does) with
@@ -170,6 +171,9 @@ pub struct Row {
     #[serde(default)]
     pub top_scope_shed: u64,
     pub inflight: u64,
+    /// What each unit's daily budget has left (units by name); absent without such budgets.
+    #[serde(default)]
+    pub spend_left: Option<std::collections::BTreeMap<String, f64>>,
     #[serde(default)]
     pub alerts: Vec<String>,
 }
@@ -249,6 +253,28 @@ fn fit(s: &str, width: usize) -> String {
     }
 }
 
+/// Width of the `SPEND LEFT` column: one unit and its figure (`usd 31.42`) fit; more units are cut.
+const SPEND_WIDTH: usize = 18;
+
+/// A row's spend left, `unit figure` by unit name, for the `SPEND LEFT` column.
+fn spend_cell(r: &Row) -> String {
+    let Some(left) = r.spend_left.as_ref().filter(|m| !m.is_empty()) else {
+        return "-".into();
+    };
+    let short = |x: f64| {
+        if x.abs() >= 1000.0 {
+            format!("{x:.0}")
+        } else {
+            format!("{x:.2}")
+        }
+    };
+    let text: Vec<String> = left
+        .iter()
+        .map(|(u, x)| format!("{u} {}", short(*x)))
+        .collect();
+    fit(&text.join(" "), SPEND_WIDTH)
+}
+
 /// The screen's text.
 pub fn render(v: &View) -> String {
     let firing = v
@@ -266,8 +292,16 @@ pub fn render(v: &View) -> String {
         firing,
         v.page.window_s.round()
     );
+    // The spend column only when a tenant shown has a daily spend budget: a daemon without spend
+    // budgets keeps the screen it always had.
+    let spend = v.page.tenants.iter().any(|r| r.spend_left.is_some());
+    let spend_head = if spend {
+        format!("{:<SPEND_WIDTH$}  ", "SPEND LEFT")
+    } else {
+        String::new()
+    };
     out.push_str(&format!(
-        "{:<24} {:>6} {:>9} {:>9}  {:<24} {:>8}  {}\n",
+        "{:<24} {:>6} {:>9} {:>9}  {:<24} {:>8}  {spend_head}{}\n",
         "TENANT", "SHED%", "ADMITTED", "SHED", "TOP SHED SCOPE", "INFLIGHT", "ALERTS"
     ));
     for r in &v.page.tenants {
@@ -275,8 +309,13 @@ pub fn render(v: &View) -> String {
             Some(s) => format!("{s} ({})", r.top_scope_shed),
             None => "-".into(),
         };
+        let spend_cell = if spend {
+            format!("{:<SPEND_WIDTH$}  ", spend_cell(r))
+        } else {
+            String::new()
+        };
         out.push_str(&format!(
-            "{:<24} {:>6.1} {:>9} {:>9}  {:<24} {:>8}  {}\n",
+            "{:<24} {:>6.1} {:>9} {:>9}  {:<24} {:>8}  {spend_cell}{}\n",
             fit(&r.tenant, 24),
             r.shed_ratio * 100.0,
             r.admitted,
@@ -397,6 +436,7 @@ mod tests {
             top_scope: scope.map(str::to_string),
             top_scope_shed: shed,
             inflight: 2,
+            spend_left: None,
             alerts: alerts.iter().map(|a| a.to_string()).collect(),
         };
         let v = View {
@@ -430,5 +470,52 @@ mod tests {
         );
         assert!(lines[4].starts_with("a-tenant-with-a-very-lo…"), "{text}");
         assert_eq!(lines[5], "... and 1 more");
+        assert!(
+            !text.contains("SPEND"),
+            "no spend budgets, no spend column: {text}"
+        );
+    }
+
+    #[test]
+    fn spend_left_is_one_short_column_when_a_tenant_has_a_daily_budget() {
+        let row = |tenant: &str, spend: &[(&str, f64)]| Row {
+            tenant: tenant.into(),
+            shed_ratio: 0.0,
+            admitted: 10,
+            shed: 0,
+            top_scope: None,
+            top_scope_shed: 0,
+            inflight: 0,
+            spend_left: (!spend.is_empty())
+                .then(|| spend.iter().map(|(u, x)| (u.to_string(), *x)).collect()),
+            alerts: vec!["shed_ratio_high".into()],
+        };
+        let v = View {
+            target: "http://127.0.0.1:9470".into(),
+            store: "memory".into(),
+            ready: true,
+            page: Page {
+                tenants: vec![
+                    row("acme", &[("usd", 31.42)]),
+                    row("globex", &[("usd", -0.5), ("tokens", 1_250_000.0)]),
+                    row("initech", &[]),
+                ],
+                total: 3,
+                window_s: 300.0,
+            },
+        };
+        let text = render(&v);
+        let lines: Vec<&str> = text.lines().collect();
+        let col = lines[2].find("SPEND LEFT").expect("the column");
+        assert!(
+            lines[2][col..].starts_with("SPEND LEFT          ALERTS"),
+            "{text}"
+        );
+        let cell = |l: &str| l.chars().skip(col).take(SPEND_WIDTH).collect::<String>();
+        assert_eq!(cell(lines[3]).trim_end(), "usd 31.42", "{text}");
+        // Two units by name, cut to the column.
+        assert_eq!(cell(lines[4]), "tokens 1250000 us…", "{text}");
+        assert_eq!(cell(lines[5]).trim_end(), "-", "{text}");
+        assert!(lines[5].ends_with("shed_ratio_high"), "{text}");
     }
 }

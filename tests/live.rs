@@ -217,6 +217,12 @@ fn spend_left_shows_what_each_tenants_daily_budget_has_left() {
         }),
         "{metrics}"
     );
+    // `admitd top` shows it in a column of its own.
+    let (ok, out, err) = top(&["--url", &format!("http://{}", d.addr)], &[]);
+    assert!(ok, "{err}");
+    assert!(out.contains("SPEND LEFT"), "{out}");
+    let acme = out.lines().find(|l| l.starts_with("acme ")).expect("acme");
+    assert!(acme.contains("  usd 3.75 "), "{out}");
 }
 
 /// `admitd top --once` with these arguments and environment: (exit success, stdout, stderr).
