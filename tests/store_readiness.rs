@@ -128,3 +128,35 @@ fn an_admission_fail_open_lets_through_says_it_was_unchecked() {
         again.body
     );
 }
+
+/// `[store] timeout` is the bound on a slow answer, also above half a second: a call that Redis
+/// answers after about 1.2 s, within a 3 s timeout, is decided on the store, and the store stays
+/// up. (The client library's own response timeout, 500 ms unless set, used to cut such a call as a
+/// broken connection and mark the store down, whatever the configured timeout said.)
+#[test]
+fn a_store_timeout_over_half_a_second_bounds_a_slow_answer_and_the_store_stays_up() {
+    let redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"3s\"\non_error = \"fail_closed\"\n",
+        redis.url()
+    ));
+    let a = d.admit(call("acme"));
+    assert_eq!(a.status, 200, "{}", a.body);
+
+    redis.pause();
+    let slow = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(1200));
+            redis.resume();
+        });
+        let started = Instant::now();
+        let a = d.admit(call("acme"));
+        (a, started.elapsed())
+    });
+    let (a, took) = slow;
+    assert_eq!(a.status, 200, "after {took:?}: {}", a.body);
+    assert!(a.body.get("unchecked").is_none(), "{}", a.body);
+    assert!(took >= Duration::from_millis(1000), "answered in {took:?}");
+    let r = d.get("/readyz");
+    assert_eq!(r.status, 200, "{}", r.body);
+}

@@ -341,3 +341,42 @@ fn on_a_redis_cluster_a_task_is_polled_and_renewed_on_its_tenants_shard() {
     assert_eq!(ds[0].release(&t).status, 200);
     assert_eq!(poll(&ds[1], &t).status, 404);
 }
+
+/// With a shared store a replica cannot count the tenant's tasks itself (the others start some):
+/// its gauge is the count the store gave at its last start or poll of one of them.
+#[test]
+fn across_two_replicas_the_tasks_in_flight_are_the_stores_count() {
+    let (_redis, ds) = two_replicas(TASKS);
+    let series = r#"admitd_tasks_inflight{tenant="acme"}"#;
+    let gauge = |d: &Daemon| metric(d.get("/metrics").body.as_str().unwrap_or_default(), series);
+    // Five tasks started in turn on each replica: the first replica starts the last one, and
+    // three of the five.
+    let mut tasks = Vec::new();
+    for i in 0..5 {
+        let a = ds[i % 2].admit(task("acme"));
+        tasks.push((lease(&a), interval(&a), Instant::now()));
+    }
+    assert!(
+        eventually(Duration::from_secs(5), || gauge(&ds[0]) == Some(5.0)),
+        "the replica that started the last task counts all five, not its own three: {:?}",
+        gauge(&ds[0])
+    );
+    // Three end; the second replica (which last heard four) learns at its next on-time poll that
+    // two are left.
+    for (i, (l, _, _)) in tasks.iter().enumerate().take(3) {
+        assert_eq!(ds[i % 2].release(l).status, 200);
+    }
+    let (last, ms, told_at) = &tasks[4];
+    let due = *told_at + Duration::from_millis(*ms);
+    std::thread::sleep(due.saturating_duration_since(Instant::now()));
+    let p = poll(&ds[1], last);
+    assert_eq!(p.status, 200, "{:?}", p.body);
+    assert!(
+        eventually(Duration::from_secs(5), || gauge(&ds[1]) == Some(2.0)),
+        "{:?}",
+        gauge(&ds[1])
+    );
+    for (i, (l, _, _)) in tasks.iter().enumerate().skip(3) {
+        assert_eq!(ds[i % 2].release(l).status, 200);
+    }
+}

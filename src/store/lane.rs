@@ -80,7 +80,13 @@ impl RedisStore {
         mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
     ) {
         let limit = Duration::from_secs(1).max(self.cfg.timeout);
-        let con = match tokio::time::timeout(limit, client.get_multiplexed_async_connection()).await
+        let con = match tokio::time::timeout(
+            limit,
+            client.get_multiplexed_async_connection_with_config(&super::redis::connection_config(
+                limit,
+            )),
+        )
+        .await
         {
             Ok(Ok(con)) => con,
             failed => {

@@ -281,10 +281,13 @@ impl RedisStore {
             let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
             let mut v = Vec::with_capacity(self.cfg.pool_size);
             for _ in 0..self.cfg.pool_size {
-                let c = tokio::time::timeout(limit, client.get_multiplexed_async_connection())
-                    .await
-                    .map_err(|_| "connecting timed out".to_string())?
-                    .map_err(|e| e.to_string())?;
+                let c = tokio::time::timeout(
+                    limit,
+                    client.get_multiplexed_async_connection_with_config(&connection_config(limit)),
+                )
+                .await
+                .map_err(|_| "connecting timed out".to_string())?
+                .map_err(|e| e.to_string())?;
                 v.push(c);
             }
             Conns::Single {
@@ -844,6 +847,19 @@ pub(super) async fn within(
         Err(_) => Err(StoreError::Timeout),
         Ok(r) => r.map_err(store_error),
     }
+}
+
+/// How a connection to one Redis server is opened. The client's own response timeout (500 ms
+/// unless set) would end any call past it as a broken connection, marking the store down at once
+/// whatever `[store] timeout` says, and would cut a batch that the lane lets run for up to 10 s.
+/// admitd bounds its calls itself ([`within`]: the store timeout, at most 10 s; a batch in flight,
+/// 10 s), where running late counts as one failed call; the connection's own bound is only a
+/// backstop behind all of them, for a call that nothing else bounds.
+pub(super) fn connection_config(limit: Duration) -> redis::AsyncConnectionConfig {
+    const BACKSTOP: Duration = Duration::from_secs(30);
+    redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(limit))
+        .set_response_timeout(Some(BACKSTOP.max(limit * 2)))
 }
 
 /// A Redis client error as the store's.
