@@ -47,6 +47,17 @@ cases += [
 ]
 for failure, c in cases:
     print("kept" if hooks.filter_failure(None, failure, c, None) else "dropped")
+def answer(status, body):
+    return NS(status_code=status, json=lambda: body)
+unit = {"error": "invalid_request", "message": 'spend names the unit "a", which is not configured'}
+other = {"error": "invalid_request", "message": "cost -1 must be positive"}
+answered = [
+    (rejected, case({**valid, "spend": {"a": 1}}), answer(400, unit)),
+    (rejected, case(valid), answer(400, other)),
+    (rejected, case(valid), answer(500, unit)),
+    (accepted, case({**valid, "cost": 0, "spend": {"a": 1}}, "BODY"), answer(400, unit)),
+]
+print(" ".join("kept" if hooks.filter_failure(None, f, c, r) else "dropped" for f, c, r in answered))
 dates = [
     "Sun, 06 Nov 1994 08:49:37 GMT", "Sunday, 06-Nov-94 08:49:37 GMT", "Sun Nov  6 08:49:37 1994",
     "Wednesday, 06-Nov-69 08:49:37 GMT", "Fri, 31 Dec 9999 23:59:59 GMT",
@@ -67,7 +78,7 @@ class FilterFailure(unittest.TestCase):
         )
         self.assertEqual(run.returncode, 0, run.stderr)
         self.assertEqual(
-            run.stdout.split("\n")[:-2],
+            run.stdout.split("\n")[:-3],
             # ST201, invalid data accepted: a valid astral name; 129 bytes; 130 bytes in 65
             # characters; a control character; a zero cost; a header broken too; another check's
             # failure.
@@ -75,6 +86,13 @@ class FilterFailure(unittest.TestCase):
             # ST202, valid data rejected: a real HTTP-date; not a date; a wrong weekday; a control
             # character; a valid body.
             + ["kept", "dropped", "dropped", "dropped", "kept"],
+        )
+        self.assertEqual(
+            run.stdout.split("\n")[-3].split(),
+            # ST202 answered 400 for a spend unit the config does not declare (the spec cannot know
+            # which exist): dropped; for anything else, or another status: kept; ST201: not this
+            # rule's (an invalid body generated as invalid stays a failure).
+            ["dropped", "kept", "kept", "kept"],
         )
         self.assertEqual(
             run.stdout.split("\n")[-2].split(),
