@@ -199,8 +199,14 @@ pub struct Proposal {
 }
 
 /// `per_s` in the config's rate syntax, rounded up to a whole number in the largest unit that keeps
-/// it at least 1 (never below what was asked for).
+/// it at least 1 (never below what was asked for), and at most the largest rate a config may hold
+/// (1e15 per second): calls of absurd cost must not propose a config that does not validate.
 pub fn rate_text(per_s: f64) -> String {
+    let per_s = if per_s.is_finite() {
+        per_s.min(1e15)
+    } else {
+        1e15
+    };
     if per_s >= 100.0 {
         format!("{}/s", per_s.ceil() as u64)
     } else if per_s * 60.0 >= 1.0 {

@@ -312,3 +312,13 @@ fn leases_never_released_do_not_grow_the_open_table_past_its_bound() {
     let p = r.period(10_000, T0 + n * 1_000 + 6 * NS_PER_MS);
     assert_eq!(p.calls.last().unwrap().duration_ms(), Some(7));
 }
+
+#[test]
+fn a_rate_past_what_a_config_holds_is_proposed_at_its_largest() {
+    // Calls of absurd cost (oversized ones are recorded too) must still give a valid config.
+    for per_s in [1e18, f64::INFINITY, 1e15] {
+        let text = rate_text(per_s);
+        assert_eq!(text, "1000000000000000/s");
+        assert!(crate::config::parse_rate(&text).is_ok(), "{text}");
+    }
+}
