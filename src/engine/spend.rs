@@ -503,6 +503,21 @@ mod tests {
         SmallVec::from_slice(&[100.0, usd])
     }
 
+    /// `b`: the [`Budgets`] of [`cfg`] without a plan, with what it borrows kept alive in the
+    /// caller's scope.
+    macro_rules! budgets {
+        ($b:ident) => {
+            let c = cfg();
+            let budgets = c.spend.budgets(None);
+            let names = names(&c);
+            let $b = Budgets {
+                units: &c.spend.units,
+                budgets: &budgets,
+                names: &names,
+            };
+        };
+    }
+
     fn names(c: &Config) -> Vec<Arc<str>> {
         c.spend
             .units
@@ -517,14 +532,7 @@ mod tests {
 
     #[test]
     fn a_run_stops_at_its_budget_and_reservations_keep_parallel_calls_inside_it() {
-        let c = cfg();
-        let budgets = c.spend.budgets(None);
-        let names = names(&c);
-        let b = Budgets {
-            units: &c.spend.units,
-            budgets: &budgets,
-            names: &names,
-        };
+        budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
         // 20 calls of 0.05 fit a budget of 1, none of them released yet: the 21st does not.
@@ -546,14 +554,7 @@ mod tests {
 
     #[test]
     fn settling_gives_back_or_charges_on_top_and_debt_refuses() {
-        let c = cfg();
-        let budgets = c.spend.budgets(None);
-        let names = names(&c);
-        let b = Budgets {
-            units: &c.spend.units,
-            budgets: &budgets,
-            names: &names,
-        };
+        budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
         l.reserve(1, &s, Some(&run()), &est(0.5), 1, 0, b.units);
@@ -581,14 +582,7 @@ mod tests {
 
     #[test]
     fn the_utc_day_rolls_over_and_a_subjects_day_debt_ends_with_it() {
-        let c = cfg();
-        let budgets = c.spend.budgets(None);
-        let names = names(&c);
-        let b = Budgets {
-            units: &c.spend.units,
-            budgets: &budgets,
-            names: &names,
-        };
+        budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
         l.reserve(1, &s, None, &est(0.5), 1, 0, b.units);
@@ -607,14 +601,7 @@ mod tests {
 
     #[test]
     fn an_idle_run_is_forgotten_and_memory_stays_bounded() {
-        let c = cfg();
-        let budgets = c.spend.budgets(None);
-        let names = names(&c);
-        let b = Budgets {
-            units: &c.spend.units,
-            budgets: &budgets,
-            names: &names,
-        };
+        budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
         l.reserve(1, &s, Some(&run()), &est(1.0), 1, 0, b.units);
