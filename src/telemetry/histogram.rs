@@ -186,23 +186,34 @@ impl CounterFamily {
         if series.is_empty() {
             return;
         }
-        write_help(out, self.name);
-        let _ = writeln!(out, "# TYPE {} counter", self.name);
-        for (values, count) in series {
-            let _ = write!(out, "{}", self.name);
-            for (i, (name, value)) in self.labels.iter().zip(split(&values)).enumerate() {
-                out.push(if i == 0 { '{' } else { ',' });
-                let _ = write!(out, "{name}=\"");
-                escape_label_value(value, out);
-                out.push('"');
-            }
-            if !self.labels.is_empty() {
-                out.push('}');
-            }
-            let _ = writeln!(out, " {count}");
-        }
-        out.push('\n');
+        render_counter(out, self.name, self.labels, series);
     }
+}
+
+/// One counter family in the Prometheus text format: its help, its type, and a line per series
+/// (label values joined as the families keep them).
+fn render_counter<V: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    labels: &[&str],
+    series: Vec<(Box<str>, V)>,
+) {
+    write_help(out, name);
+    let _ = writeln!(out, "# TYPE {name} counter");
+    for (values, value) in series {
+        out.push_str(name);
+        for (i, (label, v)) in labels.iter().zip(split(&values)).enumerate() {
+            out.push(if i == 0 { '{' } else { ',' });
+            let _ = write!(out, "{label}=\"");
+            escape_label_value(v, out);
+            out.push('"');
+        }
+        if !labels.is_empty() {
+            out.push('}');
+        }
+        let _ = writeln!(out, " {value}");
+    }
+    out.push('\n');
 }
 
 /// A counter whose increments are fractions (spend in dollars, say): the exporter's counters count
@@ -243,22 +254,7 @@ impl SumFamily {
         if series.is_empty() {
             return;
         }
-        write_help(out, self.name);
-        let _ = writeln!(out, "# TYPE {} counter", self.name);
-        for (values, sum) in series {
-            let _ = write!(out, "{}", self.name);
-            for (i, (name, value)) in self.labels.iter().zip(split(&values)).enumerate() {
-                out.push(if i == 0 { '{' } else { ',' });
-                let _ = write!(out, "{name}=\"");
-                escape_label_value(value, out);
-                out.push('"');
-            }
-            if !self.labels.is_empty() {
-                out.push('}');
-            }
-            let _ = writeln!(out, " {sum}");
-        }
-        out.push('\n');
+        render_counter(out, self.name, self.labels, series);
     }
 }
 
