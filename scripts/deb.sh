@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the Debian package and proves it installs and serves, without touching the machine:
 #
-#   1. `cargo deb` (cargo-deb, pinned; installed with `cargo install --locked` when missing) builds
-#      target/debian/admitd_VERSION_amd64.deb: the binary, the systemd unit, /etc/admitd/admitd.toml
-#      (a conffile) and the maintainer scripts that make the admitd system user and /var/lib/admitd;
+#   1. `scripts/build_deb.sh` (dpkg-deb) builds target/debian/admitd_VERSION_ARCH.deb: the binary,
+#      the systemd unit, /etc/admitd/admitd.toml (a conffile) and the maintainer scripts that make
+#      the admitd system user and /var/lib/admitd;
 #   2. `dpkg --root SCRATCH -i` installs it into an empty scratch root. dpkg would run the
 #      maintainer scripts inside SCRATCH with chroot, which needs a whole system there; instead they
 #      run with --force-script-chrootless, and they (and deb-systemd-helper) write under
@@ -15,20 +15,18 @@
 #      and writes its state file at shutdown; `dpkg --purge` then removes the state directory.
 #
 # Which build goes in: DEB_PROFILE (default `dev`, the build the tests already made, so packaging
-# costs no compile; cargo-deb warns that it is meant for releases). For a package to ship, build
-# with the release profile: `cargo deb` (about 4 more minutes of cold build on two cores).
+# costs no compile). For a package to ship, build with the release profile: `scripts/build_deb.sh`
+# (about 4 more minutes of cold build on two cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CARGO_DEB_VERSION=3.8.0
-if ! cargo deb --version 2>/dev/null | grep -q "cargo-deb $CARGO_DEB_VERSION"; then
-  cargo install --locked "cargo-deb@$CARGO_DEB_VERSION"
-fi
 profile=${DEB_PROFILE:-dev}
-deb=$(cargo deb --profile "$profile" 2>/dev/null | tail -n 1)
+deb=$(scripts/build_deb.sh --profile "$profile" | tail -n 1)
 version=$(cargo metadata --no-deps --format-version 1 | python3 -c 'import json, sys; print(json.load(sys.stdin)["packages"][0]["version"])')
-[ "$(basename "$deb")" = "admitd_${version}_amd64.deb" ] || { echo "unexpected package name: $deb"; exit 1; }
+arch=$(dpkg --print-architecture)
+[ "$deb" = "target/debian/admitd_${version}_${arch}.deb" ] || { echo "unexpected package name: $deb"; exit 1; }
 echo "built $deb"
+dpkg-deb --info "$deb" | grep -Eq '^ Depends: .*libc6.*passwd' || { echo "package: its dependencies miss libc6 or passwd" >&2; exit 1; }
 
 scratch=$(mktemp -d)
 pid=""

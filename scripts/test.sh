@@ -69,9 +69,8 @@ fi
 echo "== cargo test"
 cargo test --all-features
 
-echo "== Debian package: cargo deb, dpkg -i into a scratch root, admitd check, the installed binary serves"
-# cargo-deb 3.8.0 (pinned; installed with cargo install --locked when missing, about 6 minutes on a
-# cold two-core machine), packaging the build the tests just made (no further compile).
+echo "== Debian package: dpkg-deb, dpkg -i into a scratch root, admitd check, the installed binary serves"
+# scripts/build_deb.sh packages the build the tests just made (no further compile).
 bash scripts/deb.sh
 
 echo "== Python client: standard library only, against the daemon built above"
