@@ -12,13 +12,15 @@
 //! hold and promise, refund, leases with a TTL, counters per UTC day, penalty deadlines, AIMD and
 //! adaptive windows). docs/architecture.md draws the path of one call.
 
+mod error;
 pub mod keys;
 mod lane;
 pub mod redis;
 mod spec;
 mod tasks;
 
-pub use self::redis::{RedisStore, Refund, StoreError, StoreReleased};
+pub use self::error::StoreError;
+pub use self::redis::{RedisStore, Refund, StoreReleased};
 pub use self::tasks::StoreTask;
 
 /// How admissions are decided right now (the `mode` label of `admitd_store_mode`).
