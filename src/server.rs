@@ -217,7 +217,8 @@ async fn run(config: Config) -> Result<(), String> {
     let shared = Shared::new(config, clock, events.clone(), handles);
     match store_cfg.kind {
         crate::config::StoreKind::Redis => {
-            shared.set_store(crate::store::RedisStore::start(&store_cfg, events).await?);
+            let store = crate::store::RedisStore::start(&store_cfg, events).await?;
+            shared.set_store(crate::store::Store::Redis(store));
         }
         crate::config::StoreKind::Memory => {
             ::metrics::gauge!(crate::telemetry::names::STORE_MODE, "mode" => "memory").set(1.0);

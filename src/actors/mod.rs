@@ -39,6 +39,7 @@ use crate::clock::{Clock, Nanos};
 use crate::config::Config;
 use crate::engine::AdmitRequest;
 use crate::engine::SharedBudgets;
+use crate::store::Store;
 use crate::telemetry::Telemetry;
 
 /// Registry shards. Each holds four of the groups the tenant actors are ticked in ([`TICK_SLOTS`]).
@@ -96,8 +97,8 @@ pub struct Shared {
     next_generation: AtomicU64,
     /// Set once shutdown starts: new admissions are refused and `/readyz` answers 503.
     stopping: AtomicBool,
-    /// The shared store, when `[store] kind = "redis"` (set once at start, before any tenant).
-    store: std::sync::OnceLock<Arc<crate::store::RedisStore>>,
+    /// Where admission state lives (set once at start, before any tenant; memory until then).
+    store: std::sync::OnceLock<Store>,
     /// `local_fallback`'s config (every limit divided by the replicas) for the config it was made
     /// from, and its cross-tenant budgets.
     fallback: parking_lot::Mutex<Option<(Arc<Config>, Arc<Config>)>>,
@@ -148,13 +149,13 @@ impl Shared {
         })
     }
 
-    /// The shared store, when admissions are decided on one.
-    pub fn store(&self) -> Option<&Arc<crate::store::RedisStore>> {
-        self.store.get()
+    /// Where admission state lives.
+    pub fn store(&self) -> &Store {
+        self.store.get().unwrap_or(Store::MEMORY)
     }
 
     /// Makes admissions use `store` (once, before the first tenant starts).
-    pub fn set_store(&self, store: Arc<crate::store::RedisStore>) {
+    pub fn set_store(&self, store: Store) {
         let _ = self.store.set(store);
     }
 

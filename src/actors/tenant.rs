@@ -30,6 +30,7 @@ use crate::engine::{
     UnknownLease, Verdict,
 };
 use crate::prefetch::prefetch_all;
+use crate::store::Store;
 use crate::telemetry::{CallCounts, TenantEvent};
 
 /// How often leases are expired and idleness is checked (the arbiter's ticker sends [`Tick`]).
@@ -66,11 +67,11 @@ impl TenantActor {
         let cfg = shared.config.load_full();
         let seed = shared.seed ^ generation.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let (engine, remote) = match shared.store() {
-            None => (
+            Store::Memory => (
                 TenantEngine::new(tenant, cfg, shared.budgets.clone(), seed),
                 None,
             ),
-            Some(store) => {
+            Store::Redis(store) => {
                 let (fallback, budgets) = shared.local_fallback(&cfg);
                 let mut planner =
                     TenantEngine::new(tenant.clone(), cfg, shared.budgets.clone(), seed ^ 1);

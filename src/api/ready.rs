@@ -11,13 +11,7 @@ use super::{json, App};
 /// `GET /readyz`: 200 while every backend answers (the shared store, when there is one), else 503
 /// naming what does not.
 pub fn readiness(app: &Arc<App>) -> Response {
-    let Some(store) = app.shared.store() else {
-        return json(
-            StatusCode::OK,
-            &serde_json::json!({"ready": true, "store": "memory"}),
-        );
-    };
-    let (up, state) = store.readiness();
+    let (up, state) = app.shared.store().readiness();
     if up {
         json(
             StatusCode::OK,

@@ -13,6 +13,7 @@ use super::fields::{status_field, RetryAfterValue};
 use super::{body, json_response, lease, ApiError, App};
 use crate::actors::Release;
 use crate::engine::{Outcome, ReleaseInfo};
+use crate::store::Store;
 use crate::telemetry::ReleaseEvent;
 
 /// The answer to a release.
@@ -85,8 +86,8 @@ pub async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, Ap
     };
     // With a shared store the lease may be another replica's: this one's actor asks the store.
     let released = match app.shared.store() {
-        Some(_) => Some(app.shared.ask(&tenant, msg).await?),
-        None => app.shared.ask_existing(&tenant, msg).await?,
+        Store::Redis(_) => Some(app.shared.ask(&tenant, msg).await?),
+        Store::Memory => app.shared.ask_existing(&tenant, msg).await?,
     };
     let released = released.ok_or_else(unknown)?.map_err(|_| unknown())?;
     let counted = upstream_status.is_some()

@@ -21,6 +21,7 @@ use warp::reply::Response;
 use super::auth::Viewer;
 use super::body::Head;
 use super::{tenants, ApiError, App};
+use crate::store::Store;
 use crate::telemetry::alerts::rfc3339;
 use crate::telemetry::live::{TenantRow, TenantsPage, TenantsQuery};
 
@@ -204,8 +205,8 @@ th {{ font-weight: 600; color: #545b69; }} td.name, th.name {{ text-align: left;
 /// The store's state in words, and whether it answers.
 fn store_state(app: &App) -> (String, bool) {
     match app.shared.store() {
-        None => ("memory".into(), true),
-        Some(store) => {
+        Store::Memory => ("memory".into(), true),
+        Store::Redis(store) => {
             let (up, v) = store.readiness();
             (crate::top::store_state(&v), up)
         }

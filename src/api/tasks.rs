@@ -18,6 +18,7 @@ use crate::actors::{PollTask, Shared, StartTask, TaskError};
 use crate::clock::ceil_ms;
 use crate::engine::refusal::{self, whole_seconds, RefusalContext};
 use crate::engine::{PollAnswer, Scope, Shed};
+use crate::store::Store;
 use crate::telemetry::TenantEvent;
 
 #[derive(Deserialize)]
@@ -58,8 +59,8 @@ where
     crate::actors::TenantActor: actix::Handler<M>,
 {
     match shared.store() {
-        Some(_) => Ok(shared.ask(tenant, msg).await?),
-        None => shared
+        Store::Redis(_) => Ok(shared.ask(tenant, msg).await?),
+        Store::Memory => shared
             .ask_existing(tenant, msg)
             .await?
             .ok_or_else(unknown_lease),

@@ -11,6 +11,7 @@ use warp::reply::Response;
 use super::fields::{name_field, percent_decode};
 use super::{json, ApiError, App};
 use crate::actors::{Snapshot, StoreSnapshot};
+use crate::store::Store;
 
 pub async fn tenant_snapshot(app: &Arc<App>, raw: &str) -> Result<Response, ApiError> {
     let tenant = percent_decode(raw).ok_or_else(|| {
@@ -27,14 +28,14 @@ pub async fn tenant_snapshot(app: &Arc<App>, raw: &str) -> Result<Response, ApiE
     let snap = match app.shared.store() {
         // An outage is a 503 that names the store, not "holds no state": the state may well be
         // there, out of reach.
-        Some(_) => Some(app.shared.ask(&tenant, StoreSnapshot).await?.map_err(|e| {
+        Store::Redis(_) => Some(app.shared.ask(&tenant, StoreSnapshot).await?.map_err(|e| {
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store_unavailable",
                 format!("the shared store (redis) holding the tenant's state did not answer: {e}"),
             )
         })?),
-        None => app.shared.ask_existing(&tenant, Snapshot).await?,
+        Store::Memory => app.shared.ask_existing(&tenant, Snapshot).await?,
     };
     match snap {
         Some(Some(snap)) => Ok(json(StatusCode::OK, &snap)),

@@ -7,9 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::redis::{within, RedisStore, StoreError};
+use super::error::{connection_config, within, StoreError};
 
-/// The most operations one script call carries (see [`RedisStore::lane`]): a batch keeps Redis
+/// The most operations one script call carries (see [`Lanes::lane`]): a batch keeps Redis
 /// busy for about this many decisions, so this also bounds how long one batch delays others.
 const MAX_BATCH: usize = 32;
 
@@ -22,10 +22,21 @@ pub(super) struct Queued {
     pub(super) answer: tokio::sync::oneshot::Sender<Result<redis::Value, StoreError>>,
 }
 
+/// The lanes of one store: how each worker's lane connects and sends. The store owns one
+/// (`Arc<Lanes>`); each worker thread makes its own lane to it on its first operation.
+pub(super) struct Lanes {
+    /// The script every batch calls (its `batch` operation).
+    script: redis::Script,
+    /// How many batches one lane keeps in flight (at least two).
+    in_flight: usize,
+    /// How long a lane's connection may take to open.
+    connect_limit: Duration,
+}
+
 /// A worker thread's way to one server: a connection of its own, driven on that thread, and the
-/// queue of its batcher (see [`RedisStore::lane`]).
+/// queue of its batcher (see [`Lanes::lane`]).
 struct Lane {
-    /// The store it belongs to (its address) and the connection generation it was made in.
+    /// The lanes it belongs to (their address) and the connection generation it was made in.
     store: usize,
     generation: u64,
     queue: tokio::sync::mpsc::UnboundedSender<Queued>,
@@ -35,7 +46,15 @@ thread_local! {
     static LANES: std::cell::RefCell<Vec<Lane>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-impl RedisStore {
+impl Lanes {
+    pub(super) fn new(script: redis::Script, pool_size: usize, timeout: Duration) -> Self {
+        Lanes {
+            script,
+            in_flight: pool_size.max(2),
+            connect_limit: Duration::from_secs(1).max(timeout),
+        }
+    }
+
     /// Queues an operation on this worker's lane, making the lane first if the worker has none for
     /// this connection generation (or its lane ended). False when the lane cannot take it.
     pub(super) fn enqueue(
@@ -79,12 +98,10 @@ impl RedisStore {
         client: redis::Client,
         mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
     ) {
-        let limit = Duration::from_secs(1).max(self.cfg.timeout);
+        let limit = self.connect_limit;
         let con = match tokio::time::timeout(
             limit,
-            client.get_multiplexed_async_connection_with_config(&super::redis::connection_config(
-                limit,
-            )),
+            client.get_multiplexed_async_connection_with_config(&connection_config(limit)),
         )
         .await
         {
@@ -101,7 +118,7 @@ impl RedisStore {
                 return;
             }
         };
-        let in_flight = Arc::new(tokio::sync::Semaphore::new(self.cfg.pool_size.max(2)));
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(self.in_flight));
         while let Some(first) = queue.recv().await {
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
                 return;

@@ -7,19 +7,57 @@
 //! layers, their shapes and the state each reads, as [`crate::engine::StateKey`]s), the store checks
 //! and spends all of it at once on its own clock ([`redis::RedisStore::decide`], one script call),
 //! and the engine turns the answer into the decision ([`crate::engine::TenantEngine::interpret_remote`]).
-//! The rules of a decision (which layers, in which order, what a refusal says and promises) are
-//! written once, in the engine; a store implements the primitive state changes (GCRA take with
-//! hold and promise, refund, leases with a TTL, counters per UTC day, penalty deadlines, AIMD and
-//! adaptive windows). docs/architecture.md draws the path of one call.
+//! Which layers a call passes, in which order and what a refusal says are decided in the engine
+//! only. The rules that move state (GCRA with hold and promise cursor, the hint stagger and slot
+//! margin, the adaptive window, AIMD, task polls) are written twice, in the engine and in
+//! `admitd.lua`: docs/architecture.md lists each, and what holds the two copies together. The
+//! actors and the API reach a store through [`Store`].
 
+use std::sync::Arc;
+
+mod error;
 pub mod keys;
 mod lane;
 pub mod redis;
 mod spec;
 mod tasks;
 
-pub use self::redis::{RedisStore, Refund, StoreError, StoreReleased};
+pub use self::error::StoreError;
+pub use self::redis::{RedisStore, Refund, StoreReleased};
 pub use self::tasks::StoreTask;
+
+/// Where this replica's admission state lives: the seam the actors and the API hold. Which store a
+/// call talks to is a match on this, decided once at start (`[store] kind`); the hot path of either
+/// store is a direct call, with no dynamic dispatch.
+#[derive(Clone, Default)]
+pub enum Store {
+    /// In each tenant's actor (`kind = "memory"`): a decision is one synchronous call of its engine.
+    #[default]
+    Memory,
+    /// In Redis, shared by every replica that points at it (`kind = "redis"`): the tenant's engine
+    /// plans the call, the store checks and spends it, the engine reads the answer.
+    Redis(Arc<RedisStore>),
+}
+
+impl Store {
+    /// The in-memory store, for a reference that lives as long as the process.
+    pub const MEMORY: &'static Store = &Store::Memory;
+
+    /// Whether the state is shared with other replicas (a tenant's state may be there even though
+    /// this replica never saw the tenant).
+    pub fn is_shared(&self) -> bool {
+        matches!(self, Store::Redis(_))
+    }
+
+    /// For `/readyz` and the status page: whether the store answers, and what is known about it
+    /// (`"memory"` for the in-memory store, which always answers).
+    pub fn readiness(&self) -> (bool, serde_json::Value) {
+        match self {
+            Store::Memory => (true, serde_json::Value::String("memory".into())),
+            Store::Redis(store) => store.readiness(),
+        }
+    }
+}
 
 /// How admissions are decided right now (the `mode` label of `admitd_store_mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,8 +29,9 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwapOption;
 use serde_json::{json, Value};
 
+use super::error::{connection_config, within, StoreError};
 use super::keys::{hash_tag, Keys};
-use super::lane::Queued;
+use super::lane::{Lanes, Queued};
 use super::spec::{self, merge, parse_decide, strings, Part};
 use super::StoreMode;
 use crate::config::{OnError, StoreConfig};
@@ -54,37 +55,6 @@ const FAILURES_TO_DOWN: u32 = 3;
 const DEFAULT_PENALTY_US: f64 = 1e6;
 
 const SCRIPT: &str = include_str!("admitd.lua");
-
-/// Why a call to the store did not answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreError {
-    /// No answer within `[store] timeout`.
-    Timeout,
-    /// Not connected, or the connection broke.
-    Connection(String),
-    /// Redis answered with an error.
-    Script(String),
-}
-
-impl StoreError {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            StoreError::Timeout => "timeout",
-            StoreError::Connection(_) => "connection",
-            StoreError::Script(_) => "script",
-        }
-    }
-}
-
-impl std::fmt::Display for StoreError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            StoreError::Timeout => write!(f, "no answer within the store timeout"),
-            StoreError::Connection(e) => write!(f, "not connected: {e}"),
-            StoreError::Script(e) => write!(f, "the store answered an error: {e}"),
-        }
-    }
-}
 
 enum Conns {
     /// One server: the client each worker's lane connects with (`generation` counts the store's
@@ -125,6 +95,8 @@ pub struct RedisStore {
     pub(super) cfg: StoreConfig,
     pub(super) keys: Keys,
     pub(super) script: redis::Script,
+    /// Each worker's lane on one server (not used in a cluster).
+    lanes: Arc<Lanes>,
     conns: ArcSwapOption<Conns>,
     up: AtomicBool,
     failures: AtomicU32,
@@ -178,6 +150,11 @@ impl RedisStore {
             keys: Keys::new(&cfg.key_prefix),
             cfg: cfg.clone(),
             script: redis::Script::new(SCRIPT),
+            lanes: Arc::new(Lanes::new(
+                redis::Script::new(SCRIPT),
+                cfg.pool_size,
+                cfg.timeout,
+            )),
             conns: ArcSwapOption::empty(),
             up: AtomicBool::new(false),
             failures: AtomicU32::new(0),
@@ -421,7 +398,7 @@ impl RedisStore {
     }
 
     /// One operation of the script, bounded by the timeout. On one server it goes on the calling
-    /// worker's lane ([`RedisStore::lane`]), batched with the worker's other operations; a cluster
+    /// worker's lane ([`super::lane`]), batched with the worker's other operations; a cluster
     /// gets one script call per operation, routed by `route` to the shard of its keys.
     pub(super) async fn invoke(
         self: &Arc<Self>,
@@ -446,7 +423,7 @@ impl RedisStore {
                     data,
                     answer,
                 };
-                let sent = self.enqueue(client, *generation, queued);
+                let sent = self.lanes.enqueue(client, *generation, queued);
                 drop(conns);
                 if sent {
                     match tokio::time::timeout(self.cfg.timeout, answered).await {
@@ -835,40 +812,5 @@ impl RedisStore {
     /// key layout.
     pub fn tag_of(&self, tenant: &str, k: &StateKey) -> String {
         hash_tag(&self.key(tenant, k)).to_string()
-    }
-}
-
-/// A call to Redis bounded by `limit`: past it, a [`StoreError::Timeout`].
-pub(super) async fn within(
-    limit: Duration,
-    call: impl std::future::Future<Output = redis::RedisResult<redis::Value>>,
-) -> Result<redis::Value, StoreError> {
-    match tokio::time::timeout(limit, call).await {
-        Err(_) => Err(StoreError::Timeout),
-        Ok(r) => r.map_err(store_error),
-    }
-}
-
-/// How a connection to one Redis server is opened. The client's own response timeout (500 ms
-/// unless set) would end any call past it as a broken connection, marking the store down at once
-/// whatever `[store] timeout` says, and would cut a batch that the lane lets run for up to 10 s.
-/// admitd bounds its calls itself ([`within`]: the store timeout, at most 10 s; a batch in flight,
-/// 10 s), where running late counts as one failed call; the connection's own bound is only a
-/// backstop behind all of them, for a call that nothing else bounds.
-pub(super) fn connection_config(limit: Duration) -> redis::AsyncConnectionConfig {
-    const BACKSTOP: Duration = Duration::from_secs(30);
-    redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(limit))
-        .set_response_timeout(Some(BACKSTOP.max(limit * 2)))
-}
-
-/// A Redis client error as the store's.
-fn store_error(e: redis::RedisError) -> StoreError {
-    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
-        StoreError::Connection(e.to_string())
-    } else if e.is_timeout() {
-        StoreError::Timeout
-    } else {
-        StoreError::Script(e.to_string())
     }
 }

@@ -3,8 +3,8 @@
 
 use serde::Serialize;
 
+use super::error::StoreError;
 use super::keys::Keys;
-use super::redis::StoreError;
 use crate::config::{Aimd, Probing};
 use crate::engine::probe::{self, StoredProbe};
 use crate::engine::{RemoteAnswer, RemoteCall, RemoteScope, StateKey, UpstreamReport};

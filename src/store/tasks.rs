@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use super::redis::{RedisStore, StoreError};
+use super::error::StoreError;
+use super::redis::RedisStore;
 use super::spec::{strings, task_spec};
 use crate::engine::poll::PollPolicy;
 use crate::engine::PollAnswer;
