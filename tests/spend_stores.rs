@@ -1,7 +1,8 @@
 //! The spend behaviour suite, run against both stores (the in-process memory store and a real
 //! Redis each test starts): reserve and settle, debt, cancellation, run against daily budgets,
 //! plans, estimates from the call, the tool and the unit, parallel calls of one run, shadow mode
-//! and a restart; and two replicas on one Redis sharing one run's budget.
+//! and a restart, and a release's `cost` settling buckets and daily quotas; and two replicas on
+//! one Redis sharing one run's budget.
 
 mod common;
 
@@ -276,6 +277,79 @@ fn spend_survives_a_restart(redis: bool) {
     let _ = &s.redis;
 }
 
+/// Cost units: buckets of two calls an hour and a daily quota of three calls per subject.
+const COST: &str = r#"
+[limits.subject]
+rate = "1000/s"
+burst = 1000
+daily_quota = 3
+[limits.tenant]
+rate = "1000/s"
+burst = 1000
+daily_quota = 100
+[tools.cached]
+rate = "1/h"
+burst = 2
+"#;
+
+fn quota_used(d: &Daemon) -> (f64, f64) {
+    let s = d.get("/v1/tenants/acme");
+    assert_eq!(s.status, 200, "{}", s.body);
+    let subject = s.body["subjects"]
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["subject"] == "bot"))
+        .map_or(0.0, |x| x["quota_used"].as_f64().unwrap());
+    (s.body["quota"]["day_used"].as_f64().unwrap(), subject)
+}
+
+/// A release's `cost` of 0 (a cache hit) gives the call's bucket tokens and quota back: five calls
+/// pass a bucket of two and a quota of three.
+fn a_cache_hit_costs_nothing(redis: bool) {
+    let s = start(COST, redis);
+    let d = &s.daemon;
+    for i in 0..5 {
+        let a = d.admit(call("cached", "r"));
+        assert_eq!(a.status, 200, "call {i}: {}", a.body);
+        release(d, &lease(&a), "ok", json!({"cost": 0}));
+    }
+    assert_eq!(quota_used(d), (0.0, 0.0));
+    // Without a cost the admission's stands: two calls fill the bucket.
+    for _ in 0..2 {
+        let a = d.admit(call("cached", "r"));
+        release(d, &lease(&a), "ok", json!({}));
+    }
+    let r = d.admit(call("cached", "r"));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["scope"], "subject_tool");
+    assert_eq!(quota_used(d), (2.0, 2.0));
+}
+
+/// A release's `cost` above the admission's charges the difference on top: the bucket and the
+/// quota are short by it for the next calls.
+fn a_dear_call_charges_more(redis: bool) {
+    let s = start(COST, redis);
+    let d = &s.daemon;
+    let a = d.admit(call("cached", "r"));
+    release(d, &lease(&a), "ok", json!({"cost": 2}));
+    assert_eq!(quota_used(d), (2.0, 2.0));
+    // The bucket of two gave both: the next call of the tool waits an hour.
+    let r = d.admit(call("cached", "r"));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["scope"], "subject_tool");
+    // Two of the subject's three a day are gone: one more call fits, the one after does not.
+    let a = d.admit(call("other", "r"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    release(d, &lease(&a), "ok", json!({}));
+    let r = d.admit(call("other", "r"));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["scope"], "daily_quota");
+    // Part of a cost back (1.5 of 2 admitted): the quota is charged the half.
+    let a = d.admit(with(call("other", "r"), "subject", json!("bot2")));
+    assert_eq!(a.status, 200, "{}", a.body);
+    release(d, &lease(&a), "ok", json!({"cost": 1.5}));
+    assert!(close(quota_used(d).0, 4.5), "{:?}", quota_used(d));
+}
+
 macro_rules! both_stores {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -297,6 +371,8 @@ both_stores!(
     a_refused_call_reserves_nothing,
     shadow_mode_predicts_spend_refusals,
     spend_survives_a_restart,
+    a_cache_hit_costs_nothing,
+    a_dear_call_charges_more,
 );
 
 /// Two replicas on one Redis share one run's budget: calls alternate between them and together

@@ -538,6 +538,32 @@ local function op_release()
       redis.call('HSET', q, l.day, fmt(math.max(used - d.cost, 0)))
     end
   end
+  -- Cost: the actual cost units (`spec.cost`; a cache hit reports 0) replace the admission's. The
+  -- difference goes back to every bucket layer the call took from, in proportion to what each took,
+  -- and to its daily quotas, or is charged on top (a bucket then refills later; a quota may go past
+  -- its limit), as the engine settles a release in memory. Quotas settle on the day of the
+  -- admission. A call given everything back above, or a shadow lease, has nothing to settle.
+  if type(spec.cost) == 'number' and not give_back and l.nothing == nil and (d.cost or 0) > 0 then
+    local diff = d.cost - spec.cost
+    if diff ~= 0 then
+      local share = math.abs(diff) / d.cost
+      for _, kv in ipairs(incs) do
+        local inc = math.floor(kv[2] * share)
+        if inc > 0 and diff > 0 then
+          refund({{kv[1], inc}})
+        elseif inc > 0 then
+          -- Charged whatever the bucket holds: the call has already run.
+          local h = redis.call('HMGET', kv[1], 'tat', 'x')
+          local tat = math.max(num(h[1], 0), now) + inc
+          write_bucket(kv[1], {x = num(h[2], 0)}, tat + GRACE, 'tat', fmt(tat))
+        end
+      end
+      for _, q in ipairs(d.quotas) do
+        local used = num(redis.call('HGET', q, l.day), nil)
+        if used then redis.call('HSET', q, l.day, fmt(math.max(used - diff, 0))) end
+      end
+    end
+  end
   -- Spend: the actual figures replace the estimates (a unit the release does not name keeps its
   -- estimate; a cancellation, or a held caller gone, gives it all back), in each budget that still
   -- counts it: a daily one on the day of the reservation, a run's while it is remembered.

@@ -556,8 +556,9 @@ impl RedisStore {
             .await
     }
 
-    /// [`RedisStore::release`] with what the call actually spent per spend unit (`settle`; without
-    /// it each estimate stands, and a cancellation gives it back).
+    /// [`RedisStore::release`] with what the call actually spent per spend unit and in cost units
+    /// (`settle`; without it each estimate and the admission's cost stand, and a cancellation gives
+    /// the estimates back).
     pub async fn release_settled(
         self: Arc<Self>,
         tenant: Arc<str>,
@@ -594,7 +595,7 @@ impl RedisStore {
                 _ => "never",
             },
         };
-        let spec = json!({
+        let mut spec = json!({
             "lease": self.key(&tenant, &StateKey::Lease(lease)),
             "id": format!("{lease:016x}"),
             "refund": refund,
@@ -607,6 +608,10 @@ impl RedisStore {
             "cancel": cancel,
             "spent": spent,
         });
+        // The actual cost in cost units, when the release reports one (else the admission's stands).
+        if let Some(cost) = settle.as_ref().and_then(|s| s.cost) {
+            spec["cost"] = json!(cost);
+        }
         let route = self.keys.tenant_base(&tenant);
         let v = self
             .invoke(&route, "release", spec.to_string(), String::new())
