@@ -1,8 +1,9 @@
 //! The spend behaviour suite, run against both stores (the in-process memory store and a real
 //! Redis each test starts): reserve and settle, debt, cancellation, run against daily budgets,
 //! plans, estimates from the call, the tool and the unit, parallel calls of one run, shadow mode
-//! and a restart, and a release's `cost` settling buckets and daily quotas; and two replicas on
-//! one Redis sharing one run's budget.
+//! and a restart, a release's `cost` settling buckets and daily quotas, and the spend
+//! `/v1/tenants/{tenant}` shows; and two replicas on one Redis sharing one run's budget, and the
+//! snapshot's spend alike in both stores.
 
 mod common;
 
@@ -350,6 +351,80 @@ fn a_dear_call_charges_more(redis: bool) {
     assert!(close(quota_used(d).0, 4.5), "{:?}", quota_used(d));
 }
 
+/// `GET /v1/tenants/{tenant}` shows each unit's spend of the day and its budgets: reserved (a call
+/// in flight), settled (a release's `spent`), given back (a cancellation); a unit without a tenant
+/// budget is counted all the same.
+fn the_tenant_snapshot_shows_the_days_spend(redis: bool) {
+    let s = start(SPEND, redis);
+    let d = &s.daemon;
+    let a = d.admit(call("summarize", "r"));
+    release(
+        d,
+        &lease(&a),
+        "ok",
+        json!({"spent": {"usd": 0.5, "tokens": 40}}),
+    );
+    let a = d.admit(call("summarize", "r"));
+    release(d, &lease(&a), "cancelled", json!({}));
+    let _in_flight = lease(&d.admit(call("summarize", "r")));
+    let snap = d.get("/v1/tenants/acme");
+    assert_eq!(snap.status, 200, "{}", snap.body);
+    let spend = &snap.body["spend"];
+    assert_eq!(spend.as_array().map(Vec::len), Some(2), "{}", snap.body);
+    let usd = unit(spend, "usd");
+    assert!(close(usd["day_spent"].as_f64().unwrap(), 0.55), "{spend}");
+    assert!(
+        close(usd["day_remaining"].as_f64().unwrap(), 49.45),
+        "{spend}"
+    );
+    assert_eq!(usd["tenant_daily"], 50.0);
+    assert_eq!(usd["subject_daily"], 5.0);
+    assert_eq!(usd["run"], 1.0);
+    let tokens = unit(spend, "tokens");
+    assert!(
+        close(tokens["day_spent"].as_f64().unwrap(), 140.0),
+        "{spend}"
+    );
+    for k in ["tenant_daily", "day_remaining", "subject_daily", "run"] {
+        assert!(tokens[k].is_null(), "{k}: {spend}");
+    }
+}
+
+/// One unit of a snapshot's `spend`.
+fn unit<'a>(spend: &'a Value, name: &str) -> &'a Value {
+    spend
+        .as_array()
+        .and_then(|a| a.iter().find(|u| u["unit"] == name))
+        .unwrap_or_else(|| panic!("no {name} in {spend}"))
+}
+
+/// A call estimated at nothing (no figure reserved yet for its run or day) still settles what it
+/// actually spent: two such calls of 0.6 put the run of 1 in debt.
+fn a_call_estimated_at_nothing_still_settles(redis: bool) {
+    let s = start(SPEND, redis);
+    let d = &s.daemon;
+    for _ in 0..2 {
+        let a = d.admit(with(call("plain", "r"), "spend", json!({"usd": 0})));
+        assert_eq!(a.status, 200, "{}", a.body);
+        release(d, &lease(&a), "ok", json!({"spent": {"usd": 0.6}}));
+    }
+    let r = d.admit(with(call("plain", "r"), "spend", json!({"usd": 0})));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["budget"], "run");
+    assert!(
+        close(r.body["remaining"].as_f64().unwrap(), -0.2),
+        "{}",
+        r.body
+    );
+    let snap = d.get("/v1/tenants/acme");
+    let usd = unit(&snap.body["spend"], "usd");
+    assert!(
+        close(usd["day_spent"].as_f64().unwrap(), 1.2),
+        "{}",
+        snap.body
+    );
+}
+
 macro_rules! both_stores {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -373,6 +448,8 @@ both_stores!(
     spend_survives_a_restart,
     a_cache_hit_costs_nothing,
     a_dear_call_charges_more,
+    the_tenant_snapshot_shows_the_days_spend,
+    a_call_estimated_at_nothing_still_settles,
 );
 
 /// Two replicas on one Redis share one run's budget: calls alternate between them and together
@@ -399,4 +476,62 @@ fn two_replicas_share_a_run_budget() {
         }
     }
     assert_eq!(admitted, 20);
+}
+
+/// The same calls against each store show the same spend in `GET /v1/tenants/{tenant}`, figure
+/// for figure, in the same shape.
+#[test]
+fn the_snapshots_spend_is_the_same_in_both_stores() {
+    let plan = format!("{SPEND}\n[plans.free.spend.tokens]\ntenant_daily = 1000\n[tenants.acme]\nplan = \"free\"\n");
+    let spend_of = |redis: bool| -> Value {
+        let s = start(&plan, redis);
+        let d = &s.daemon;
+        for (i, spent) in [json!({"usd": 0.2}), json!({"tokens": 250}), json!({})]
+            .iter()
+            .enumerate()
+        {
+            let a = d.admit(with(
+                call("summarize", &format!("r{i}")),
+                "spend",
+                json!({"usd": 0.1 * i as f64}),
+            ));
+            release(d, &lease(&a), "ok", json!({"spent": spent}));
+        }
+        let other = with(call("plain", "r9"), "subject", json!("other"));
+        let _in_flight = lease(&d.admit(other));
+        let snap = d.get("/v1/tenants/acme");
+        assert_eq!(snap.status, 200, "{}", snap.body);
+        snap.body["spend"].clone()
+    };
+    let (memory, redis) = (spend_of(false), spend_of(true));
+    let units = memory.as_array().expect("memory mode shows spend");
+    assert_eq!(units.len(), 2, "{memory}");
+    assert_eq!(redis.as_array().map(Vec::len), Some(2), "{redis}");
+    for m in units {
+        let r = unit(&redis, m["unit"].as_str().unwrap());
+        let keys: Vec<&String> = m.as_object().unwrap().keys().collect();
+        assert_eq!(
+            keys,
+            r.as_object().unwrap().keys().collect::<Vec<_>>(),
+            "{m} vs {r}"
+        );
+        for (k, v) in m.as_object().unwrap() {
+            match (v.as_f64(), r[k].as_f64()) {
+                (Some(a), Some(b)) => assert!(close(a, b), "{k}: memory {m} redis {r}"),
+                _ => assert_eq!(v, &r[k], "{k}: memory {m} redis {r}"),
+            }
+        }
+    }
+    // usd: 0 + 0.2 settled, 0.1 and 0.2 estimates, and the call in flight's 0.01; tokens: the
+    // plan's budget, 100 + 250 + 100 + 100.
+    let (usd, tokens) = (unit(&memory, "usd"), unit(&memory, "tokens"));
+    assert!(close(usd["day_spent"].as_f64().unwrap(), 0.51), "{memory}");
+    assert!(
+        close(tokens["day_spent"].as_f64().unwrap(), 550.0),
+        "{memory}"
+    );
+    assert!(
+        close(tokens["day_remaining"].as_f64().unwrap(), 450.0),
+        "{memory}"
+    );
 }

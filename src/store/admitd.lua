@@ -25,7 +25,7 @@
 --   release  end a lease: free its slots, refund what a cancelled hold took, report the upstream
 --   upstream report an upstream's answer seen outside a lease (penalty, AIMD, adaptive window)
 --   refund   give back bucket tokens (a cross-shard part of a call refused by another shard)
---   snapshot read a tenant's state for GET /v1/tenants/{tenant}
+--   snapshot read a tenant's state for GET /v1/tenants/{tenant} (its spend of the day included)
 --   task     make a lease an MCP task (its end at the task TTL) and schedule its first poll
 --   poll     check a task's poll against its schedule; schedule the next one when on time
 --   renew    move a live lease's end (and its slots') to its TTL after now
@@ -464,6 +464,11 @@ local function op_decide()
         expire_at(b.k, (day + 1) * DAY + KEEP)
       end
     end
+    -- The tenant's day figure without a budget keeping it: counted for GET /v1/tenants/{tenant}.
+    if u.t and u.n ~= 0 then
+      redis.call('HINCRBYFLOAT', u.t, tostring(day), fmt(u.n))
+      expire_at(u.t, (day + 1) * DAY + KEEP)
+    end
   end
   local report = layer_report(spec.layers, st, true)
   for _, u in ipairs(spend) do
@@ -578,11 +583,25 @@ local function op_release()
       end
       local diff = actual - u.n
       if diff ~= 0 then
+        -- A figure the reservation did not write (its estimate was 0) is written here, while its
+        -- day is still kept (a daily one) or the run is still remembered (`u.i` after the call).
+        local kept = (num(l.day, 0) + 1) * DAY + KEEP
         for _, k in ipairs(u.d) do
-          if redis.call('EXISTS', k) == 1 then redis.call('HINCRBYFLOAT', k, l.day, fmt(diff)) end
+          if redis.call('EXISTS', k) == 1 then
+            redis.call('HINCRBYFLOAT', k, l.day, fmt(diff))
+          elseif kept > now then
+            redis.call('HINCRBYFLOAT', k, l.day, fmt(diff))
+            expire_at(k, kept)
+          end
         end
+        local remembered = num(l.started, 0) + num(u.i, 0)
         for _, k in ipairs(u.r) do
-          if redis.call('EXISTS', k) == 1 then redis.call('INCRBYFLOAT', k, fmt(diff)) end
+          if redis.call('EXISTS', k) == 1 then
+            redis.call('INCRBYFLOAT', k, fmt(diff))
+          elseif remembered > now then
+            redis.call('INCRBYFLOAT', k, fmt(diff))
+            expire_at(k, remembered)
+          end
         end
       end
     end
@@ -644,7 +663,9 @@ local function op_snapshot()
   local function used(k) if k == '' then return 0 end return num(redis.call('HGET', k, day), 0) end
   local out = {now = now, day_ends = (tonumber(day) + 1) * DAY,
     tenant_tat = tat(spec.tenant), tenant_inflight = live(spec.tenant_slots),
-    tenant_quota = used(spec.tenant_quota), subjects = {}, pens = {}, ups = {}}
+    tenant_quota = used(spec.tenant_quota), subjects = {}, pens = {}, ups = {}, spend = {}}
+  -- Each spend unit's figure of the tenant's day (reserved and settled).
+  for i, k in ipairs(spec.spend or {}) do out.spend[i] = used(k) end
   if spec.index ~= '' then
     local names = redis.call('ZREVRANGEBYSCORE', spec.index, '+inf', fmt(now - DAY), 'LIMIT', 0, spec.max_subjects)
     for _, n in ipairs(names) do

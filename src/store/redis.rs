@@ -732,6 +732,12 @@ impl RedisStore {
                 .unzip()
         };
         let (pens, ups) = up_keys(true);
+        // The tenant's day figure of each spend unit (under the tenant's hash tag).
+        let spend: Vec<String> = plan
+            .spend
+            .iter()
+            .map(|(unit, _)| self.key(&tenant, &StateKey::SpendTenant(unit.clone())))
+            .collect();
         let spec = json!({
             "tenant": format!("{base}:b:t"),
             "tenant_slots": format!("{base}:c:t"),
@@ -744,6 +750,7 @@ impl RedisStore {
             "pens": if self.cfg.cluster { up_keys(false).0 } else { pens.clone() },
             "ups": if self.cfg.cluster { up_keys(false).1 } else { ups.clone() },
             "forget": 120e6, "pl": spec::PROBE_LEN_US,
+            "spend": spend,
         });
         let v = self
             .invoke(&base, "snapshot", spec.to_string(), String::new())
@@ -802,6 +809,10 @@ impl RedisStore {
                     .collect()
             })
             .unwrap_or_default();
+        // An empty Lua table is encoded as an object: no figure, nothing spent.
+        let spend = (0..plan.spend.len())
+            .map(|i| raw["spend"].get(i).map_or(0.0, f))
+            .collect();
         Ok(RemoteSnapshotState {
             now_us: f(&raw["now"]),
             tenant_tat_us: f(&raw["tenant_tat"]),
@@ -810,6 +821,7 @@ impl RedisStore {
             day_ends_us: f(&raw["day_ends"]),
             subjects,
             upstreams,
+            spend,
         })
     }
 

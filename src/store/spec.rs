@@ -123,6 +123,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
                         idle: b.idle_us,
                     })
                     .collect(),
+                t: s.tally.as_ref().map(|k| keys.key(tenant, k)),
             })
             .collect()
     } else {
@@ -153,6 +154,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
                     .iter()
                     .filter(|b| !b.run)
                     .map(|b| b.k.as_str())
+                    .chain(sp.t.as_deref())
                     .collect(),
                 r: sp
                     .b
@@ -160,6 +162,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
                     .filter(|b| b.run)
                     .map(|b| b.k.as_str())
                     .collect(),
+                i: sp.b.iter().find(|b| b.run).map(|b| b.idle),
             })
             .collect(),
         up: call
@@ -360,6 +363,9 @@ struct SpendSpec {
     /// The call's estimate in this unit.
     n: f64,
     b: Vec<BudgetSpec>,
+    /// The tenant's day figure of the unit, counted without a budget (no `tenant_daily` keeps it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    t: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -378,10 +384,13 @@ struct BudgetSpec {
 struct LeaseSpend<'a> {
     u: &'a str,
     n: f64,
-    /// Daily budgets' keys.
+    /// Daily budgets' keys (and the tenant's day figure kept without a budget).
     d: Vec<&'a str>,
     /// Run budgets' keys.
     r: Vec<&'a str>,
+    /// How long the run is remembered after its last call (microseconds), when it has a budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    i: Option<f64>,
 }
 
 #[derive(Serialize)]

@@ -136,6 +136,9 @@ pub struct RemoteSpend {
     pub unit: Arc<str>,
     pub estimate: f64,
     pub budgets: Vec<RemoteBudget>,
+    /// The tenant's day figure of the unit when no `tenant_daily` budget keeps it (`None` when one
+    /// does): counted all the same, as the memory store counts it, for `/v1/tenants/{tenant}`.
+    pub tally: Option<StateKey>,
 }
 
 /// What a release or feedback reports to an upstream's state.
@@ -460,6 +463,10 @@ impl TenantEngine {
                     unit: name.clone(),
                     estimate: sp.estimates.get(i).copied().unwrap_or(0.0),
                     budgets,
+                    tally: b
+                        .tenant_daily
+                        .is_none()
+                        .then(|| StateKey::SpendTenant(name.clone())),
                 }
             })
             .collect()
@@ -706,6 +713,13 @@ impl TenantEngine {
             daily_quota: self.policy.limits.tenant.daily_quota,
             subject_daily_quota: self.policy.limits.subject.daily_quota,
             upstreams,
+            spend: self
+                .policy
+                .spend_names
+                .iter()
+                .zip(&self.policy.spend)
+                .map(|(name, b)| (name.clone(), *b))
+                .collect(),
         }
     }
 }
@@ -722,6 +736,9 @@ pub struct RemoteSnapshotPlan {
     pub subject_daily_quota: Option<f64>,
     /// Every configured upstream: name, shared, configured rate.
     pub upstreams: Vec<(Arc<str>, bool, Option<f64>)>,
+    /// Every configured spend unit with its budgets after the tenant's plan (the tenant's day
+    /// figure of each is [`StateKey::SpendTenant`]).
+    pub spend: Vec<(Arc<str>, crate::config::SpendBudgets)>,
 }
 
 /// What the store read for a snapshot, in microseconds of its own clock.
@@ -736,6 +753,8 @@ pub struct RemoteSnapshotState {
     pub subjects: Vec<(String, f64, u32, f64)>,
     /// Per configured upstream, in the plan's order: penalty until, AIMD multiplier.
     pub upstreams: Vec<(f64, f64)>,
+    /// Per spend unit, in the plan's order: what the tenant reserved and settled today.
+    pub spend: Vec<f64>,
 }
 
 impl RemoteSnapshotPlan {
@@ -811,7 +830,22 @@ impl RemoteSnapshotPlan {
             subjects,
             penalties,
             upstreams,
-            spend: Vec::new(),
+            spend: self
+                .spend
+                .iter()
+                .enumerate()
+                .map(|(i, (unit, b))| {
+                    let spent = s.spend.get(i).copied().unwrap_or(0.0);
+                    SpendSnapshot {
+                        unit: unit.to_string(),
+                        day_spent: spent,
+                        tenant_daily: b.tenant_daily,
+                        day_remaining: b.tenant_daily.map(|d| d - spent),
+                        subject_daily: b.subject_daily,
+                        run: b.run,
+                    }
+                })
+                .collect(),
             spend_runs: None,
         }
     }
