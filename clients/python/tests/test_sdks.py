@@ -89,10 +89,17 @@ class _EndToEnd:
     async def test_a_refusal_fits_every_return_type(self):
         typed = ["as_str", "as_list", "as_dict", "as_model"]
         async with self.client("tok-acme-typed") as c:
-            # Each typed tool runs once (its result validates), which spends the burst of 4.
+            # Each typed tool runs once (its result validates), which spends the burst of 4. The
+            # plain value it returns (str, list, dict, model) comes back with what each spend
+            # budget has left in its _meta.
             for name in typed:
                 ok = await c.call_tool(name, {"n": 1})
                 self.assertFalse(ok.is_error)
+                self.assertEqual(
+                    _spend_of(ok).get("tokens"),
+                    {"reserved": 0, "remaining": 2000, "budget": "subject_daily"},
+                    (name, ok),
+                )
             before = self.runs()
             for name in ["fan", *typed]:
                 # raise_on_error=False: the refusal is a result the model reads, not an exception;
@@ -133,14 +140,13 @@ class _EndToEnd:
         self.assertEqual(refused.structured_content["remaining"], 200)
         self.assertIn("2000 tokens", refused.content[0].text)
         self.assertTrue(refused.structured_content["retryable"])
-        if self.sdk == "fastmcp":
-            # What the budget had left after the second call's reservation (settled at 900 after).
-            spend = _spend_of(results[1])
-            self.assertEqual(
-                spend.get("tokens"),
-                {"reserved": 500, "remaining": 600, "budget": "subject_daily"},
-                results[1],
-            )
+        # What the budget had left after the second call's reservation (settled at 900 after),
+        # on the str the tool returned.
+        self.assertEqual(
+            _spend_of(results[1]).get("tokens"),
+            {"reserved": 500, "remaining": 600, "budget": "subject_daily"},
+            results[1],
+        )
 
     async def test_a_failed_or_cancelled_call_gives_its_slot_back(self):
         async with self.client("tok-acme-outcomes") as c:
@@ -252,6 +258,84 @@ class McpLowLevelServer(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(len(ran), 4)
         self.assertEqual(results[4].structured_content["scope"], "subject")
         self.assertRegex(results[4].content[0].text, WAIT)
+        await admission.guard.admitd.aclose()
+
+
+class McpServerPlainValues(unittest.IsolatedAsyncioTestCase):
+    """``Admission.tool`` on ``MCPServer`` tools that return plain values: each comes back as the
+    SDK builds it from the same function unguarded (content, structured content, output schema),
+    plus what each spend budget has left in its ``_meta``. Reached in process by the SDK's
+    client."""
+
+    @classmethod
+    def setUpClass(cls):
+        require_binary()
+        require_sdk("mcp")
+        cls.daemon = Daemon(read(os.path.join(ROOT, "clients", "e2e.toml")))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    async def test_a_plain_value_gets_the_spend_in_its_meta(self):
+        from mcp import Client
+        from mcp.server.mcpserver import MCPServer
+        from pydantic import BaseModel
+
+        from admitd_client.mcp import Admission
+
+        class Report(BaseModel):
+            region: str
+            total: int
+
+        def as_str(n: int) -> str:
+            return str(n)
+
+        def as_list(n: int) -> list[str]:
+            return [str(n), "x"]
+
+        def as_dict(n: int) -> dict:
+            return {"n": n}
+
+        async def as_typed_dict(n: int) -> dict[str, int]:
+            return {"n": n}
+
+        def as_model(n: int) -> Report:
+            return Report(region="emea", total=n)
+
+        # Annotations are strings in this module: the SDK evaluates them in its globals.
+        as_model.__annotations__["return"] = Report
+
+        def untyped(n: int):
+            return {"n": n, "list": [1, 2]}
+
+        def unstructured(n: int) -> dict[str, int]:
+            return {"n": n}
+
+        admission = Admission(self.daemon.url, identity=lambda token: ("globex", "plain-bot"))
+        server = MCPServer("plain")
+        fns = [as_str, as_list, as_dict, as_typed_dict, as_model, untyped, unstructured]
+        for fn in fns:
+            structured = False if fn is unstructured else None
+            server.tool(name=fn.__name__, structured_output=structured)(fn)
+            guarded = admission.tool(f"guarded_{fn.__name__}", structured_output=structured)(fn)
+            server.tool(name=f"guarded_{fn.__name__}", structured_output=structured)(guarded)
+        async with Client(server) as client:
+            schemas = {t.name: t.output_schema for t in (await client.list_tools()).tools}
+            for fn in fns:
+                name = fn.__name__
+                plain = await client.call_tool(name, {"n": 3})
+                guarded = await client.call_tool(f"guarded_{name}", {"n": 3})
+                self.assertFalse(guarded.is_error, guarded)
+                self.assertEqual(guarded.content, plain.content, name)
+                self.assertEqual(guarded.structured_content, plain.structured_content, name)
+                self.assertEqual(schemas[f"guarded_{name}"], schemas[name], name)
+                self.assertIsNone(_spend_of(plain).get("tokens"), name)
+                self.assertEqual(
+                    _spend_of(guarded).get("tokens"),
+                    {"reserved": 0, "remaining": 2000, "budget": "subject_daily"},
+                    (name, guarded),
+                )
         await admission.guard.admitd.aclose()
 
 

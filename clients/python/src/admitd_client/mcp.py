@@ -23,15 +23,18 @@ call is released after the tool ran: ``ok``; ``error`` when it raised or returne
 
 Spend budgets: a tool calls ``report_spend(tokens=...)`` (or ``cost=0`` for a cache hit) and the
 release settles it. The low-level wrapper passes the agent run named in the request's
-``_meta["admitd/run"]`` to admitd, and a ``CallToolResult`` comes back with what each budget has
-left in its ``_meta["admitd/spend"]``.
+``_meta["admitd/run"]`` to admitd, and the result comes back with what each budget has left in its
+``_meta["admitd/spend"]``: a ``CallToolResult`` as it is, and a plain value an ``MCPServer`` tool
+returns (a str, a dict, a model...) converted into the ``CallToolResult`` the SDK would build from
+it (the same content and structured content; pass ``tool(structured_output=...)`` when the tool is
+registered with one).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, TypeVar, Union
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, TypeVar, Union
 
 import anyio.to_thread
 import mcp_types as mt
@@ -71,12 +74,24 @@ def refusal_result(tool_result: Dict[str, Any]) -> mt.CallToolResult:
 
 def _with_spend(result: Any, spend: Dict[str, Any]) -> Any:
     """A ``CallToolResult`` with the call's spend budgets in its ``_meta`` (another return value
-    goes back unchanged: the SDK builds its result)."""
+    goes back unchanged)."""
     if isinstance(result, mt.CallToolResult):
         meta = dict(result.meta or {})
         meta[SPEND_META] = spend
         return result.model_copy(update={"meta": meta})
     return result
+
+
+def _converter(
+    fn: Callable[..., Any], name: str, structured_output: Optional[bool]
+) -> Callable[[Any], Any]:
+    """How ``MCPServer`` turns what ``fn`` returns into its ``CallToolResult``: the conversion of
+    the tool the SDK registers for ``fn`` (same signature, name and ``structured_output``), so the
+    content, structured content and its validation are the SDK's own."""
+    from mcp.server.mcpserver.tools.base import Tool
+
+    meta = Tool.from_function(fn, name=name, structured_output=structured_output).fn_metadata
+    return meta.convert_result
 
 
 def _is_error(result: Any) -> bool:
@@ -109,15 +124,26 @@ class Admission:
         *,
         upstream: Optional[str] = None,
         cost: Optional[float] = None,
+        structured_output: Optional[bool] = None,
     ) -> Callable[[F], F]:
         """Decorates an ``MCPServer`` tool function (put it under ``@server.tool()``; give
-        ``name`` when the tool is registered under another name than the function's). The
-        function keeps its signature, so the SDK derives the same input and output schemas; a
-        synchronous function runs on a worker thread, as the SDK runs it."""
+        ``name`` when the tool is registered under another name than the function's, and
+        ``structured_output`` when ``server.tool()`` gets one). The function keeps its signature,
+        so the SDK derives the same input and output schemas; a synchronous function runs on a
+        worker thread, as the SDK runs it."""
 
         def wrap(fn: F) -> F:
             tool_name = name or fn.__name__
             is_async = inspect.iscoroutinefunction(fn)
+            # Built on the first plain value that needs spend in its _meta, then kept.
+            convert: List[Callable[[Any], Any]] = []
+
+            def annotate(result: Any, spend: Dict[str, Any]) -> Any:
+                if not isinstance(result, mt.CallToolResult):
+                    if not convert:
+                        convert.append(_converter(fn, tool_name, structured_output))
+                    result = convert[0](result)
+                return _with_spend(result, spend)
 
             @functools.wraps(fn)
             async def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -134,7 +160,7 @@ class Admission:
                     _is_error,
                     upstream=upstream,
                     cost=cost,
-                    annotate=_with_spend,
+                    annotate=annotate,
                 )
 
             return guarded  # type: ignore[return-value]
