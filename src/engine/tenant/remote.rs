@@ -916,6 +916,48 @@ mod tests {
     }
 
     #[test]
+    fn the_tenants_day_of_a_unit_is_kept_with_or_without_its_budget_and_shown() {
+        let mut e = engine(
+            "[spend.usd]\nestimate = 0.5\ntenant_daily = 10\nrun = 2\n\
+            [spend.tokens]\nestimate = 100\nsubject_daily = 1000\n",
+        );
+        let mut req = call("bot", "search");
+        req.spend = Some(Box::default());
+        let c = plan(&mut e, req);
+        let unit = |name: &str| c.spend.iter().find(|s| &*s.unit == name).unwrap();
+        // The tenant_daily budget keeps usd's day; tokens' is kept beside its budgets.
+        assert_eq!(unit("usd").tally, None);
+        assert!(unit("usd")
+            .budgets
+            .iter()
+            .any(|b| b.key == StateKey::SpendTenant(Arc::from("usd"))));
+        assert_eq!(
+            unit("tokens").tally,
+            Some(StateKey::SpendTenant(Arc::from("tokens")))
+        );
+        let plan = e.remote_snapshot_plan();
+        let figures: Vec<f64> = plan
+            .spend
+            .iter()
+            .map(|(u, _)| if &**u == "usd" { 12.5 } else { 140.0 })
+            .collect();
+        let snap = plan.render(&RemoteSnapshotState {
+            spend: figures,
+            ..Default::default()
+        });
+        let shown = |name: &str| snap.spend.iter().find(|s| s.unit == name).unwrap();
+        let usd = shown("usd");
+        assert_eq!(
+            (usd.day_spent, usd.tenant_daily, usd.day_remaining),
+            (12.5, Some(10.0), Some(-2.5))
+        );
+        assert_eq!((usd.subject_daily, usd.run), (None, Some(2.0)));
+        let tokens = shown("tokens");
+        assert_eq!((tokens.day_spent, tokens.day_remaining), (140.0, None));
+        assert_eq!(tokens.subject_daily, Some(1000.0));
+    }
+
+    #[test]
     fn the_tenants_leases_are_kept_even_without_a_cap() {
         let mut e = engine("[limits.tenant]\nrate = \"10/s\"\n");
         let mut cfg = (**e.config()).clone();
