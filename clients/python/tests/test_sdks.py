@@ -338,6 +338,45 @@ class McpServerPlainValues(unittest.IsolatedAsyncioTestCase):
                 )
         await admission.guard.admitd.aclose()
 
+    async def test_a_tool_with_a_context_charges_the_run_its_request_names(self):
+        from mcp import Client
+        from mcp.server.mcpserver import Context, MCPServer
+
+        from admitd_client.mcp import Admission, report_spend
+
+        async def draft(n: int, ctx: Context) -> str:
+            report_spend(tokens=n)
+            return "drafted"
+
+        # Annotations are strings in this module: the SDK finds the Context parameter by its type.
+        draft.__annotations__["ctx"] = Context
+
+        admission = Admission(self.daemon.url, identity=lambda token: ("globex", "run-bot"))
+        server = MCPServer("runs")
+        server.tool(name="draft")(admission.tool("draft")(draft))
+        run = {"admitd/run": "r-draft"}
+        async with Client(server) as client:
+            first = await client.call_tool("draft", {"n": 200}, meta=run)
+            # The run's 300 (the big plan's) are the least left: 300 before the first call, then
+            # 100 once it settled 200; a call outside the run sees the subject's day instead.
+            second = await client.call_tool("draft", {"n": 150}, meta=run)
+            third = await client.call_tool("draft", {"n": 1}, meta=run)
+            outside = await client.call_tool("draft", {"n": 1})
+        self.assertEqual(
+            _spend_of(first).get("tokens"), {"reserved": 0, "remaining": 300, "budget": "run"}
+        )
+        self.assertEqual(
+            _spend_of(second).get("tokens"), {"reserved": 0, "remaining": 100, "budget": "run"}
+        )
+        # 350 settled against 300: the run is spent, and says waiting will not help.
+        self.assertTrue(third.is_error, third)
+        self.assertEqual(third.structured_content["scope"], "spend")
+        self.assertEqual(third.structured_content["budget"], "run")
+        self.assertFalse(third.structured_content["retryable"])
+        self.assertFalse(outside.is_error, outside)
+        self.assertEqual(_spend_of(outside).get("tokens", {}).get("budget"), "subject_daily")
+        await admission.guard.admitd.aclose()
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -22,8 +22,9 @@ call is released after the tool ran: ``ok``; ``error`` when it raised or returne
 ``UpstreamRateLimited`` or called ``report_upstream(429, retry_after)``.
 
 Spend budgets: a tool calls ``report_spend(tokens=...)`` (or ``cost=0`` for a cache hit) and the
-release settles it. The low-level wrapper passes the agent run named in the request's
-``_meta["admitd/run"]`` to admitd, and the result comes back with what each budget has left in its
+release settles it. The agent run named in the request's ``_meta["admitd/run"]`` goes to admitd
+(the low-level wrapper reads it from the request; an ``MCPServer`` tool from its ``Context``
+parameter, so a tool that spends a run budget declares one, ``ctx: Context``), and the result comes back with what each budget has left in its
 ``_meta["admitd/spend"]``: a ``CallToolResult`` as it is, and a plain value an ``MCPServer`` tool
 returns (a str, a dict, a model...) converted into the ``CallToolResult`` the SDK would build from
 it (the same content and structured content; pass ``tool(structured_output=...)`` when the tool is
@@ -94,6 +95,23 @@ def _converter(
     return meta.convert_result
 
 
+def _context_parameter(fn: Callable[..., Any]) -> Optional[str]:
+    """The name of ``fn``'s ``Context`` parameter (the SDK passes the request's context there), if
+    it declares one."""
+    from mcp.server.mcpserver.utilities.context_injection import find_context_parameter
+
+    return find_context_parameter(fn)
+
+
+def _run_of_context(ctx: Any) -> Optional[str]:
+    """The agent run an ``MCPServer`` ``Context``'s request names in its ``_meta``, if any."""
+    try:
+        meta = ctx.request_context.meta
+    except (AttributeError, ValueError):  # not a Context, or used outside a request
+        return None
+    return run_of(meta)
+
+
 def _is_error(result: Any) -> bool:
     return isinstance(result, mt.CallToolResult) and bool(result.is_error)
 
@@ -135,6 +153,7 @@ class Admission:
         def wrap(fn: F) -> F:
             tool_name = name or fn.__name__
             is_async = inspect.iscoroutinefunction(fn)
+            context_kwarg = _context_parameter(fn)
             # Built on the first plain value that needs spend in its _meta, then kept.
             convert: List[Callable[[Any], Any]] = []
 
@@ -152,6 +171,7 @@ class Admission:
                         return await fn(*args, **kwargs)
                     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
+                ctx = kwargs.get(context_kwarg) if context_kwarg else None
                 return await self.guard.run(
                     get_access_token(),
                     tool_name,
@@ -160,6 +180,7 @@ class Admission:
                     _is_error,
                     upstream=upstream,
                     cost=cost,
+                    run_id=_run_of_context(ctx) if ctx is not None else None,
                     annotate=annotate,
                 )
 
