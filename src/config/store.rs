@@ -25,6 +25,7 @@ pub(super) struct RawStore {
     pub(super) timeout: Option<S<String>>,
     pub(super) on_error: Option<S<String>>,
     pub(super) replicas: Option<S<i64>>,
+    pub(super) slice: Option<S<String>>,
 }
 
 /// Which store holds the admission state.
@@ -74,6 +75,9 @@ pub struct StoreConfig {
     pub on_error: OnError,
     /// How many replicas share the store: `local_fallback` enforces each limit divided by this.
     pub replicas: u32,
+    /// On a cluster: how much of its own rate each replica leases ahead from the global bucket
+    /// (see `store::slices`); zero decides every call on the bucket's shard.
+    pub slice: Duration,
 }
 
 impl Default for StoreConfig {
@@ -87,6 +91,7 @@ impl Default for StoreConfig {
             timeout: Duration::from_millis(50),
             on_error: OnError::FailClosed,
             replicas: 1,
+            slice: Duration::from_millis(100),
         }
     }
 }
@@ -189,6 +194,9 @@ impl Validator<'_> {
         if let Some(v) = &s.replicas {
             out.replicas = self.count("store.replicas", v, 1, 10_000)? as u32;
         }
+        if let Some(v) = &s.slice {
+            out.slice = self.duration("store.slice", v, Duration::from_secs(1))?;
+        }
         if out.kind == StoreKind::Redis {
             let span = s.kind.as_ref().map_or(0..0, toml::Spanned::span);
             if out.url.is_none() {
@@ -228,7 +236,8 @@ mod tests {
     fn every_key_is_read() {
         let c = parse(
             "[store]\nkind = \"memory\"\nurl = \"rediss://u:p@a:1,rediss://b:2\"\ncluster = true\n\
-             key_prefix = \"fleet-a\"\npool_size = 4\ntimeout = \"20ms\"\non_error = \"local_fallback\"\nreplicas = 3\n",
+             key_prefix = \"fleet-a\"\npool_size = 4\ntimeout = \"20ms\"\non_error = \"local_fallback\"\nreplicas = 3\n\
+             slice = \"0s\"\n",
         )
         .unwrap();
         let s = c.store;
@@ -240,6 +249,7 @@ mod tests {
         assert_eq!(s.timeout, Duration::from_millis(20));
         assert_eq!(s.on_error, OnError::LocalFallback);
         assert_eq!(s.replicas, 3);
+        assert_eq!(s.slice, Duration::ZERO);
     }
 
     #[test]
@@ -277,6 +287,7 @@ mod tests {
                 "[store]\npool_size = 100\n",
                 "admitd.toml:2: store.pool_size must be",
             ),
+            ("[store]\nslice = \"2s\"\n", "admitd.toml:2: store.slice"),
             (
                 "[store]\nkey_prefix = \"a b\"\n",
                 "admitd.toml:2: store.key_prefix must be",

@@ -30,6 +30,7 @@
 --   poll     check a task's poll against its schedule; schedule the next one when on time
 --   renew    move a live lease's end (and its slots') to its TTL after now
 --   probe    write the probe schedule of an upstream admitd computed, unless it moved meanwhile
+--   slice    take whole tokens of a cross-tenant bucket for one replica to spend (src/store/slices.rs)
 
 local op = ARGV[1]
 local spec, extra -- the operation's spec and lease data, set for each operation of a batch
@@ -776,8 +777,27 @@ local function op_renew()
   return {'ok', fmt(ends - now)}
 end
 
+-- A slice of a cross-tenant bucket for one replica to spend itself: up to `n` whole tokens the
+-- bucket holds now (never tokens a call would wait for, so a slice holds no one up), taken at once.
+-- spec {k, T, b, n}. Answers the tokens taken, and the bucket's whole tokens left and microseconds
+-- until full after it.
+local function op_slice()
+  local T, b = spec.T, spec.b
+  local h = redis.call('HMGET', spec.k, 'tat', 'p', 'x')
+  local s = {tat = num(h[1], 0), p = num(h[2], 0), x = num(h[3], 0)}
+  local free = math.floor((now + b * T - math.max(s.tat, now)) / T + 1e-9)
+  local g = math.max(math.min(math.floor(spec.n), free), 0)
+  local tat = s.tat
+  if g > 0 then
+    tat = math.max(s.tat, now) + math.ceil(g * T)
+    write_bucket(spec.k, s, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
+  end
+  return {'ok', tostring(g), tostring(whole_tokens(b, T, tat)), fmt(math.max(tat - now, 0))}
+end
+
 local ops = {decide = op_decide, release = op_release, upstream = op_upstream, refund = op_refund,
-  snapshot = op_snapshot, task = op_task, poll = op_poll, renew = op_renew, probe = op_probe}
+  snapshot = op_snapshot, task = op_task, poll = op_poll, renew = op_renew, probe = op_probe,
+  slice = op_slice}
 
 local function run(name, body, data)
   local f = ops[name]

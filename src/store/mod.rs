@@ -15,10 +15,12 @@
 
 use std::sync::Arc;
 
+mod cross;
 mod error;
 pub mod keys;
 mod lane;
 pub mod redis;
+pub mod slices;
 mod spec;
 mod tasks;
 

@@ -32,6 +32,7 @@ use serde_json::{json, Value};
 use super::error::{connection_config, within, StoreError};
 use super::keys::{hash_tag, Keys};
 use super::lane::{Lanes, Queued};
+use super::slices::Slices;
 use super::spec::{self, merge, parse_decide, strings, Part};
 use super::StoreMode;
 use crate::config::{OnError, StoreConfig};
@@ -102,8 +103,10 @@ pub struct RedisStore {
     failures: AtomicU32,
     probing: AtomicBool,
     next: AtomicUsize,
-    runtime: tokio::runtime::Handle,
+    pub(super) runtime: tokio::runtime::Handle,
     telemetry: Telemetry,
+    /// This replica's slices of cross-tenant buckets (a cluster with `[store] slice`).
+    pub(super) slices: Slices,
     last_error: parking_lot::Mutex<String>,
     /// Connections made so far (see [`Conns::Single`]).
     generation: std::sync::atomic::AtomicU64,
@@ -162,6 +165,7 @@ impl RedisStore {
             next: AtomicUsize::new(0),
             runtime,
             telemetry,
+            slices: Slices::default(),
             last_error: parking_lot::Mutex::new("not connected yet".into()),
             generation: std::sync::atomic::AtomicU64::new(0),
             answered_ms: std::sync::atomic::AtomicU64::new(0),
@@ -191,6 +195,11 @@ impl RedisStore {
         let watch = Arc::clone(&store);
         store.runtime.spawn(async move { watch.watch_idle().await });
         Ok(store)
+    }
+
+    /// This process's monotonic clock, in nanoseconds since the store started (slices' ages).
+    pub(super) fn mono(&self) -> crate::clock::Nanos {
+        self.started.elapsed().as_nanos() as crate::clock::Nanos + 1
     }
 
     /// Notes that the store answered (a call, or the idle watch's PING).
@@ -346,6 +355,9 @@ impl RedisStore {
     fn mark_down(self: &Arc<Self>, why: String) {
         *self.last_error.lock() = why;
         self.conns.store(None);
+        // Slices of a store that may come back without its state (a restart) are not spent on it:
+        // forgotten, as a killed replica's would be.
+        self.slices.drain();
         let was_up = self.up.swap(false, Ordering::AcqRel);
         if was_up {
             tracing::warn!(
@@ -469,7 +481,8 @@ impl RedisStore {
     }
 
     /// Decides a call: one round trip, or in a cluster two when the call spends cross-tenant state
-    /// (its tenant's shard first; if the second part refuses, the first is given back).
+    /// (its tenant's shard first; if the second part refuses, the first is given back) that this
+    /// replica's slices do not cover (see [`super::slices`]).
     pub async fn decide(
         self: Arc<Self>,
         tenant: Arc<str>,
@@ -484,6 +497,9 @@ impl RedisStore {
             let p = spec::decide_spec(&self.keys, &tenant, &call, Part::All);
             let v = self.invoke(&p.route, "decide", p.spec, p.data).await;
             return parse_decide(v, &p.map, n);
+        }
+        if let Some(answer) = self.decide_sliced(&tenant, &call).await {
+            return answer;
         }
         let p = spec::decide_spec(&self.keys, &tenant, &call, Part::Tenant);
         let first = parse_decide(

@@ -1,0 +1,180 @@
+//! Slices of the global bucket on a three-shard Redis Cluster (`[store] slice`): each replica leases
+//! a few tokens ahead and spends them itself, so a decision makes one script call (on its tenant's
+//! shard) instead of two. The fleet still never admits more than the bucket holds: three replicas,
+//! exact counts; a replica killed holding a slice strands at most its slices; the shard of the
+//! bucket restarted (its state lost) does not let the slices taken before it be spent again.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::redis::RedisCluster;
+use common::Daemon;
+use serde_json::json;
+
+/// The global bucket: 300 tokens, refilling one an hour (nothing refills during a test).
+const BURST: u64 = 300;
+/// The most one replica can strand: two slices of a sixteenth of the burst each (rounded down).
+const STRANDED_PER_REPLICA: u64 = 2 * (BURST / 16);
+
+fn config(urls: &str) -> String {
+    format!(
+        "[limits.subject]\nrate = \"100000/s\"\nburst = 100000\n\
+         [limits.tenant]\nrate = \"100000/s\"\nburst = 100000\n\
+         [limits.global]\nrate = \"1/h\"\nburst = {BURST}\n\
+         [store]\nkind = \"redis\"\nurl = \"{urls}\"\ncluster = true\ntimeout = \"500ms\"\nslice = \"100ms\"\n"
+    )
+}
+
+/// `calls` admissions spread over `daemons` by 12 threads, over 30 tenants (so that they spread over
+/// the shards); returns how many were admitted. A 503 (the store not answering) is retried.
+fn hammer(daemons: &[&Daemon], calls: u64) -> u64 {
+    let admitted = AtomicU64::new(0);
+    let next = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..12 {
+            let (admitted, next) = (&admitted, &next);
+            s.spawn(move || loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                if k >= calls {
+                    return;
+                }
+                let d = daemons[k as usize % daemons.len()];
+                let body = json!({"tenant": format!("t{}", k % 30), "subject": "s",
+                    "tool": "search", "max_wait_ms": 0});
+                let a = d.admit(body);
+                match a.status {
+                    200 => {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                        d.release(a.body["lease_id"].as_str().unwrap());
+                    }
+                    429 => {}
+                    503 => {
+                        next.fetch_sub(1, Ordering::Relaxed);
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    other => panic!("unexpected {other}: {}", a.body),
+                }
+            });
+        }
+    });
+    admitted.into_inner()
+}
+
+/// Script calls each node has run so far.
+fn script_calls(cluster: &RedisCluster) -> Vec<u64> {
+    cluster
+        .nodes()
+        .iter()
+        .map(|n| {
+            let stats = n.cli(&["INFO", "commandstats"]);
+            stats
+                .lines()
+                .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+                .filter_map(|l| {
+                    l.split(['=', ','])
+                        .nth(1)
+                        .and_then(|v| v.parse::<u64>().ok())
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// The index of the node that holds the global bucket.
+fn bucket_node(cluster: &RedisCluster) -> usize {
+    cluster
+        .nodes()
+        .iter()
+        .position(|n| !n.cli(&["KEYS", "*{x}*"]).trim().is_empty())
+        .expect("a node holds the global bucket")
+}
+
+#[test]
+fn three_replicas_spending_slices_never_admit_more_than_the_global_bucket() {
+    let cluster = RedisCluster::start(3);
+    let cfg = config(&cluster.url());
+    let daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
+    let all: Vec<&Daemon> = daemons.iter().collect();
+    // Well within the bucket, every call is admitted: a slice that has not come back yet sends the
+    // call to the bucket's shard, never refuses it.
+    assert_eq!(hammer(&all, 50), 50);
+    let before: u64 = script_calls(&cluster).iter().sum();
+    let admitted = hammer(&all, 120);
+    let scripts = script_calls(&cluster).iter().sum::<u64>() - before;
+    println!("120 calls: {admitted} admitted, {scripts} script calls (decisions and releases)");
+    assert_eq!(admitted, 120);
+    // Without slices an admission makes two script calls and its release a third (360); with
+    // them, one each and the occasional slice.
+    assert!(scripts < 300, "{scripts} script calls for 120 admissions");
+    let first = 170 + hammer(&all, 900);
+    assert!(first <= BURST, "{first} admitted past a bucket of {BURST}");
+    assert!(
+        first + 3 * STRANDED_PER_REPLICA >= BURST,
+        "{first} admitted: more stranded than the slices can hold"
+    );
+    // Past a slice's life, what the replicas held goes back as they ask again: the bucket is
+    // admitted exactly, no call more.
+    std::thread::sleep(Duration::from_millis(1_200));
+    let mut total = first;
+    for _ in 0..5 {
+        total += hammer(&all, 300);
+        assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
+        std::thread::sleep(Duration::from_millis(1_100));
+    }
+    assert_eq!(total, BURST, "every token of the bucket is admitted once");
+}
+
+#[test]
+fn a_replica_killed_holding_a_slice_strands_no_more_than_its_slices() {
+    let cluster = RedisCluster::start(3);
+    let cfg = config(&cluster.url());
+    let mut daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
+    // The doomed replica takes slices and spends some of them.
+    let doomed_admitted = hammer(&[&daemons[0]], 40);
+    let mut doomed = daemons.remove(0);
+    let _ = doomed.child.kill();
+    let _ = doomed.child.wait();
+    let others: Vec<&Daemon> = daemons.iter().collect();
+    let mut total = doomed_admitted;
+    for _ in 0..4 {
+        total += hammer(&others, 400);
+        assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
+        std::thread::sleep(Duration::from_millis(1_100));
+    }
+    println!("killed replica admitted {doomed_admitted}; the fleet {total} of {BURST}");
+    assert!(
+        total + STRANDED_PER_REPLICA >= BURST,
+        "{total} admitted: the killed replica stranded more than its slices"
+    );
+}
+
+#[test]
+fn the_buckets_shard_restarted_does_not_spend_slices_taken_before() {
+    let mut cluster = RedisCluster::start(3);
+    let cfg = config(&cluster.url());
+    let daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
+    let all: Vec<&Daemon> = daemons.iter().collect();
+    let first = hammer(&all, 600);
+    assert!(first <= BURST, "{first} admitted past a bucket of {BURST}");
+    // The bucket's shard restarts without its data: the bucket is full again, and the slices taken
+    // from the bucket before are not spent on top of it.
+    let node = bucket_node(&cluster);
+    cluster.node_mut(node).restart();
+    cluster.wait_ok(Duration::from_secs(20));
+    let mut second = 0;
+    for _ in 0..3 {
+        second += hammer(&all, 400);
+        assert!(
+            second <= BURST,
+            "{second} admitted past the restarted bucket of {BURST}"
+        );
+        std::thread::sleep(Duration::from_millis(1_100));
+    }
+    println!("before the restart {first}, after it {second} of {BURST}");
+    assert!(
+        second + 3 * STRANDED_PER_REPLICA >= BURST,
+        "after the restart {second}"
+    );
+}
