@@ -178,3 +178,85 @@ fn the_buckets_shard_restarted_does_not_spend_slices_taken_before() {
         "after the restart {second}"
     );
 }
+
+/// Every command each node has run so far (the script's inner commands and the script calls
+/// themselves), leaving out what the test and the cluster's own upkeep send.
+fn commands(cluster: &RedisCluster) -> Vec<u64> {
+    const UPKEEP: [&str; 8] = [
+        "info", "cluster", "ping", "keys", "config", "client", "command", "hello",
+    ];
+    cluster
+        .nodes()
+        .iter()
+        .map(|n| {
+            n.cli(&["INFO", "commandstats"])
+                .lines()
+                .filter_map(|l| {
+                    let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+                    if UPKEEP.iter().any(|u| name.starts_with(u)) {
+                        return None;
+                    }
+                    rest.split(['=', ',']).nth(1)?.parse::<u64>().ok()
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// The hot-shard measurement of docs/BENCHMARKS.md: three replicas on a three-shard cluster, the
+/// limits of benches/throughput.toml (nothing is shed), 1 000 tenants × 20 subjects, admit only;
+/// slices off and on, alternating. Prints each shard's commands per admission and their spread.
+/// `cargo test --release --test slices -- --ignored --nocapture commands_per_shard`
+#[test]
+#[ignore = "a measurement, not a check"]
+fn commands_per_shard() {
+    const CALLS: u64 = 6_000;
+    let limits = include_str!("../benches/throughput.toml");
+    let cluster = RedisCluster::start(3);
+    for round in 0..4 {
+        let slice = if round % 2 == 0 { "0s" } else { "100ms" };
+        let cfg = format!(
+            "{limits}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ncluster = true\ntimeout = \"500ms\"\nslice = \"{slice}\"\n",
+            cluster.url()
+        );
+        let daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
+        let before = commands(&cluster);
+        let admitted = AtomicU64::new(0);
+        let next = AtomicU64::new(0);
+        let started = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..16 {
+                let (admitted, next, daemons) = (&admitted, &next, &daemons);
+                s.spawn(move || loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    if k >= CALLS {
+                        return;
+                    }
+                    let h = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                    let body = json!({"tenant": format!("t{}", h % 1000),
+                        "subject": format!("s{}", (h / 1000) % 20), "tool": "search"});
+                    if daemons[k as usize % 3].admit(body).status == 200 {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        let elapsed = started.elapsed();
+        let admitted = admitted.into_inner() as f64;
+        let per: Vec<f64> = commands(&cluster)
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| (a - b) as f64 / admitted)
+            .collect();
+        let mean = per.iter().sum::<f64>() / per.len() as f64;
+        let spread = per
+            .iter()
+            .map(|p| (p - mean) / mean * 100.0)
+            .fold(0.0f64, |m, d| m.max(d.abs()));
+        println!(
+            "slice = {slice:>5}: {admitted} admitted in {elapsed:.1?}; commands per admission by shard {:.2?}, total {:.2}, largest deviation from the mean {spread:.0}%",
+            per,
+            per.iter().sum::<f64>()
+        );
+    }
+}
