@@ -1,8 +1,9 @@
 //! Slices of the global bucket on a three-shard Redis Cluster (`[store] slice`): each replica leases
 //! a few tokens ahead and spends them itself, so a decision makes one script call (on its tenant's
 //! shard) instead of two. The fleet still never admits more than the bucket holds: three replicas,
-//! exact counts; a replica killed holding a slice strands at most its slices; the shard of the
-//! bucket restarted (its state lost) does not let the slices taken before it be spent again.
+//! exact counts; a replica killed holding a slice strands at most its slices, one that stops gives
+//! them back; the shard of the bucket restarted (its state lost) does not let the slices taken
+//! before it be spent again.
 
 mod common;
 
@@ -148,6 +149,28 @@ fn a_replica_killed_holding_a_slice_strands_no_more_than_its_slices() {
         total + STRANDED_PER_REPLICA >= BURST,
         "{total} admitted: the killed replica stranded more than its slices"
     );
+}
+
+#[test]
+fn a_replica_that_stops_gives_its_slices_back() {
+    let cluster = RedisCluster::start(3);
+    let cfg = config(&cluster.url());
+    let mut daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
+    // The stopping replica takes slices and spends some of them, then stops (SIGTERM): what it did
+    // not spend goes back to the bucket, and the others admit the bucket exactly.
+    let stopped_admitted = hammer(&[&daemons[0]], 40);
+    let mut stopped = daemons.remove(0);
+    stopped.signal("TERM");
+    let _ = stopped.child.wait();
+    let others: Vec<&Daemon> = daemons.iter().collect();
+    let mut total = stopped_admitted;
+    for _ in 0..4 {
+        total += hammer(&others, 400);
+        assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
+        std::thread::sleep(Duration::from_millis(1_100));
+    }
+    println!("stopped replica admitted {stopped_admitted}; the fleet {total} of {BURST}");
+    assert_eq!(total, BURST, "the stopped replica's slices came back");
 }
 
 #[test]

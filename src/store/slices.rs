@@ -12,8 +12,9 @@
 //! bucket, so what a fleet can strand is bounded by replicas × 2 × [`MAX_SHARE`] × burst.
 //!
 //! Exactness: a replica spends only tokens the bucket gave it, so the fleet never admits more than
-//! the bucket allows in total. What moves is when: a token may be spent up to [`SLICE_LIFE`] after
-//! the bucket gave it out. A call that finds the slice empty (the refill has not come back yet) is
+//! the bucket allows in total. What moves is when: a token is spent after the bucket gave it out
+//! (within [`SLICE_LIFE`] of the slice's last refill), so in any interval the fleet admits at most
+//! what the bucket allows in it plus what the slices held at its start. A call that finds the slice empty (the refill has not come back yet) is
 //! decided the old way, in two script calls, exactly; it is never refused for want of a slice.
 
 use std::collections::HashMap;
@@ -92,7 +93,13 @@ pub struct Slice {
     report: parking_lot::Mutex<(u64, f64)>,
     /// Microseconds per token of the bucket (what a token given back is worth), as last refilled.
     t_us: parking_lot::Mutex<f64>,
-    sizer: parking_lot::Mutex<Sizer>,
+    /// Millionths of a token this replica's calls asked of the bucket so far (spent here or not),
+    /// fed to the sizer when a refill is due, so that a call takes no lock.
+    asked: AtomicU64,
+    /// The size of the last slice asked for, in millionths of a token (0: none yet).
+    size: AtomicU64,
+    /// The rate this replica spends at, and how much of it the sizer has seen (in `asked`'s units).
+    sizer: parking_lot::Mutex<(Sizer, u64)>,
 }
 
 /// What [`Slice::spend`] did.
@@ -107,11 +114,11 @@ pub enum Spent {
 impl Slice {
     /// Spends `tokens` from the slice if it holds them and has not expired.
     pub fn spend(&self, tokens: f64, now: Nanos) -> Spent {
-        self.sizer.lock().observe(tokens, now);
+        let need = (tokens * UNIT).ceil() as u64;
+        self.asked.fetch_add(need, Ordering::Relaxed);
         if now >= self.until.load(Ordering::Acquire) {
             return Spent::Empty;
         }
-        let need = (tokens * UNIT).ceil() as u64;
         let took = self
             .left
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |l| l.checked_sub(need));
@@ -131,15 +138,25 @@ impl Slice {
     /// Whether a refill should start now: none on its way, and less than half a slice left (or the
     /// slice expired). Marks one as started when it says yes.
     pub fn wants_refill(&self, call: f64, burst: f64, span: Nanos, now: Nanos) -> Option<f64> {
-        let size = self.sizer.lock().size(call, burst, span);
         if now < self.not_before.load(Ordering::Acquire) {
             return None;
         }
         let expired = now >= self.until.load(Ordering::Acquire);
-        let low = (self.left.load(Ordering::Acquire) as f64) < size * UNIT / 2.0;
+        let size = match self.size.load(Ordering::Acquire) {
+            0 => (call * UNIT).ceil() as u64,
+            s => s,
+        };
+        let low = self.left.load(Ordering::Acquire) < size / 2;
         if !(expired || low) || self.refilling.swap(true, Ordering::AcqRel) {
             return None;
         }
+        let mut sizer = self.sizer.lock();
+        let asked = self.asked.load(Ordering::Relaxed);
+        let new = asked.saturating_sub(sizer.1);
+        sizer.1 = asked;
+        sizer.0.observe(new as f64 / UNIT, now);
+        let size = sizer.0.size(call, burst, span);
+        self.size.store((size * UNIT) as u64, Ordering::Release);
         Some(size)
     }
 
@@ -287,6 +304,28 @@ mod tests {
         assert_eq!(slice.take_expired(now + SLICE_LIFE - 1), 0.0);
         assert_eq!(slice.take_expired(now + SLICE_LIFE), 2.0);
         assert_eq!(slice.take_all(), 0.0);
+    }
+
+    #[test]
+    fn the_slice_asked_for_follows_what_the_calls_asked() {
+        let slice = Slice::default();
+        let t0 = 5_000 * MS;
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, t0), Some(1.0));
+        slice.refilled(1.0, (1_000.0, 1e6), (0, 0.0), t0);
+        // Two calls a millisecond for 200 ms: the first spends the slice, the rest find it empty.
+        for i in 0..400 {
+            let spent = slice.spend(1.0, t0 + i * MS / 2);
+            assert_eq!(spent == Spent::Empty, i > 0, "call {i}");
+        }
+        // 2 000 a second: a slice of 100 ms is 200 tokens.
+        let size = slice.wants_refill(1.0, 1e6, SPAN, t0 + 200 * MS).unwrap();
+        assert!((195.0..=205.0).contains(&size), "{size}");
+        // Bounded by the burst's share.
+        slice.refill_failed();
+        assert_eq!(
+            slice.wants_refill(1.0, 800.0, SPAN, t0 + 200 * MS),
+            Some(50.0)
+        );
     }
 
     #[test]
