@@ -778,14 +778,16 @@ local function op_renew()
 end
 
 -- A slice of a cross-tenant bucket for one replica to spend itself: up to `n` whole tokens the
--- bucket holds now (never tokens a call would wait for, so a slice holds no one up), taken at once.
--- spec {k, T, b, n}. Answers the tokens taken, and the bucket's whole tokens left and microseconds
--- until full after it.
+-- bucket holds now (never tokens a call would wait for, so a slice holds no one up), taken at once;
+-- none while callers refused earlier hold promises on the bucket (its tokens are theirs as they
+-- free). spec {k, T, b, n}. Answers the tokens taken, and the bucket's whole tokens left and
+-- microseconds until full after it.
 local function op_slice()
   local T, b = spec.T, spec.b
   local h = redis.call('HMGET', spec.k, 'tat', 'p', 'x')
   local s = {tat = num(h[1], 0), p = num(h[2], 0), x = num(h[3], 0)}
   local free = math.floor((now + b * T - math.max(s.tat, now)) / T + 1e-9)
+  if cursor_live(s.p, s.tat, b * T, 0) then free = 0 end
   local g = math.max(math.min(math.floor(spec.n), free), 0)
   local tat = s.tat
   if g > 0 then

@@ -29,6 +29,9 @@ const OBSERVE_EVERY: Nanos = 100_000_000;
 pub const MAX_SHARE: f64 = 1.0 / 16.0;
 /// How long after it was taken a slice may still be spent; the rest then goes back.
 pub const SLICE_LIFE: Nanos = 1_000_000_000;
+/// The shortest pause before a bucket that gave no slice is asked again (it may hold tokens that
+/// callers refused earlier were promised).
+const RETRY_EMPTY: Nanos = 10_000_000;
 /// Millionths of a token: the allowance counts in these, so fractional costs spend exactly.
 const UNIT: f64 = 1e6;
 /// How long the observed rate looks back: an older rate's weight falls by about e each.
@@ -175,13 +178,13 @@ impl Slice {
 
     /// A refill came back: `granted` whole tokens of a bucket of `t_us` microseconds per token and
     /// `burst`, spendable until `now` + [`SLICE_LIFE`]. A bucket that gave none is not asked again
-    /// before it holds a token (at most a slice's life later).
+    /// before it holds a token (at least [`RETRY_EMPTY`], at most a slice's life later).
     pub fn refilled(&self, granted: f64, shape: (f64, f64), report: (u64, f64), now: Nanos) {
         let (t_us, burst) = shape;
         let (left, reset_us) = report;
         if granted < 1.0 {
             let first_us = (reset_us - (burst - 1.0) * t_us).max(0.0);
-            let wait = ((first_us * 1e3) as Nanos).min(SLICE_LIFE);
+            let wait = ((first_us * 1e3) as Nanos).clamp(RETRY_EMPTY, SLICE_LIFE);
             self.not_before
                 .store(now.saturating_add(wait), Ordering::Release);
         }
@@ -350,5 +353,14 @@ mod tests {
         slice.refilled(0.0, (1_000.0, 100.0), (0, 109_000.0), now);
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now + 9 * MS), None);
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now + 10 * MS), Some(1.0));
+        // None given though the bucket holds tokens (promised to callers refused earlier): asked
+        // again no sooner than 10 ms later, not on every call.
+        let later = now + 20 * MS;
+        slice.refilled(0.0, (1_000.0, 100.0), (50, 50_000.0), later);
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, later + 9 * MS), None);
+        assert_eq!(
+            slice.wants_refill(1.0, 1e6, SPAN, later + 10 * MS),
+            Some(1.0)
+        );
     }
 }
