@@ -63,6 +63,18 @@ fn hammer(daemons: &[&Daemon], calls: u64) -> u64 {
     admitted.into_inner()
 }
 
+/// Stops `daemons` (SIGTERM: each gives back what its slices hold) and admits what the bucket has
+/// left through a fresh replica that takes no slices; returns how many it admitted.
+fn finish(cluster: &RedisCluster, daemons: Vec<Daemon>) -> u64 {
+    for mut d in daemons {
+        d.signal("TERM");
+        let _ = d.child.wait();
+    }
+    let fresh =
+        Daemon::start(&config(&cluster.url()).replace("slice = \"100ms\"", "slice = \"0s\""));
+    hammer(&[&fresh], 2 * BURST)
+}
+
 /// Script calls each node has run so far.
 fn script_calls(cluster: &RedisCluster) -> Vec<u64> {
     cluster
@@ -109,21 +121,24 @@ fn three_replicas_spending_slices_never_admit_more_than_the_global_bucket() {
     // Without slices an admission makes two script calls and its release a third (360); with
     // them, one each and the occasional slice.
     assert!(scripts < 300, "{scripts} script calls for 120 admissions");
+    let m = daemons[0].get("/metrics").body;
+    let m = m.as_str().unwrap_or_default();
+    let way = |w: &str| {
+        common::metric(
+            m,
+            &format!("admitd_store_global_decisions_total{{way=\"{w}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(way("slice") > way("shard"), "{m}");
     let first = 170 + hammer(&all, 900);
     assert!(first <= BURST, "{first} admitted past a bucket of {BURST}");
     assert!(
         first + 3 * STRANDED_PER_REPLICA >= BURST,
         "{first} admitted: more stranded than the slices can hold"
     );
-    // Past a slice's life, what the replicas held goes back as they ask again: the bucket is
-    // admitted exactly, no call more.
-    std::thread::sleep(Duration::from_millis(1_200));
-    let mut total = first;
-    for _ in 0..5 {
-        total += hammer(&all, 300);
-        assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
-        std::thread::sleep(Duration::from_millis(1_100));
-    }
+    // What the replicas hold goes back as they stop: the bucket is admitted exactly, no call more.
+    let total = first + finish(&cluster, daemons);
     assert_eq!(total, BURST, "every token of the bucket is admitted once");
 }
 
@@ -138,13 +153,11 @@ fn a_replica_killed_holding_a_slice_strands_no_more_than_its_slices() {
     let _ = doomed.child.kill();
     let _ = doomed.child.wait();
     let others: Vec<&Daemon> = daemons.iter().collect();
-    let mut total = doomed_admitted;
-    for _ in 0..4 {
-        total += hammer(&others, 400);
-        assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
-        std::thread::sleep(Duration::from_millis(1_100));
-    }
+    let mut total = doomed_admitted + hammer(&others, 400);
+    assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
+    total += finish(&cluster, daemons);
     println!("killed replica admitted {doomed_admitted}; the fleet {total} of {BURST}");
+    assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
     assert!(
         total + STRANDED_PER_REPLICA >= BURST,
         "{total} admitted: the killed replica stranded more than its slices"
@@ -163,14 +176,11 @@ fn a_replica_that_stops_gives_its_slices_back() {
     stopped.signal("TERM");
     let _ = stopped.child.wait();
     let others: Vec<&Daemon> = daemons.iter().collect();
-    let mut total = stopped_admitted;
-    for _ in 0..4 {
-        total += hammer(&others, 400);
-        assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
-        std::thread::sleep(Duration::from_millis(1_100));
-    }
+    let mut total = stopped_admitted + hammer(&others, 400);
+    assert!(total <= BURST, "{total} admitted past a bucket of {BURST}");
+    total += finish(&cluster, daemons);
     println!("stopped replica admitted {stopped_admitted}; the fleet {total} of {BURST}");
-    assert_eq!(total, BURST, "the stopped replica's slices came back");
+    assert_eq!(total, BURST, "the stopped replicas' slices came back");
 }
 
 #[test]

@@ -72,6 +72,8 @@ impl RedisStore {
                 self.refill(key, slice, size, l.t_us, l.burst);
             }
         }
+        let way = if short { "shard" } else { "slice" };
+        metrics::counter!(crate::telemetry::names::STORE_GLOBAL, "way" => way).increment(1);
         if short {
             for t in &taken {
                 t.slice.unspend(t.tokens);

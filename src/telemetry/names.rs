@@ -35,6 +35,7 @@ pub const STORE_MODE: &str = "admitd_store_mode";
 pub const STORE_ERRORS: &str = "admitd_store_errors_total";
 pub const STORE_REQUEST: &str = "admitd_store_request_seconds";
 pub const STORE_FALLBACK: &str = "admitd_store_fallback_decisions_total";
+pub const STORE_GLOBAL: &str = "admitd_store_global_decisions_total";
 pub const TASKS_INFLIGHT: &str = "admitd_tasks_inflight";
 pub const TASKS_STARTED: &str = "admitd_tasks_started_total";
 pub const TASK_POLLS: &str = "admitd_task_polls_total";
@@ -111,6 +112,7 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(STORE_ERRORS, Counter, COUNT, "Calls to the shared store that failed, by kind (timeout, connection, script)."),
         help(STORE_REQUEST, Histogram, SECONDS, "How long each operation on the shared store waited for its answer (batched operations share one)."),
         help(STORE_FALLBACK, Counter, COUNT, "Admissions decided without the shared store while it was unreachable, by on_error mode."),
+        help(STORE_GLOBAL, Counter, COUNT, "Cluster decisions spending a global bucket, from this replica's slice or on the bucket's shard."),
         help(TASKS_INFLIGHT, Gauge, COUNT, "MCP tasks admitted and not yet released or expired."),
         help(TASKS_STARTED, Counter, COUNT, "Admissions answered as MCP tasks."),
         help(TASK_POLLS, Counter, COUNT, "Polls of MCP tasks (POST /v1/tasks/poll), admitted on time or refused as early."),
