@@ -294,6 +294,44 @@ fn feedback_on_a_shared_upstream_pauses_every_tenant(redis: bool) {
     }
 }
 
+/// On a shared upstream each tenant's refused callers are promised slots after their own tenant's
+/// earlier promises only: a tenant whose refusals booked the budget's next seconds does not push
+/// another tenant's call, allowed to wait, behind them (it is held for the next token), while its
+/// own next call is still told the slot after its promises.
+fn one_tenants_promises_on_a_shared_upstream_do_not_book_anothers_wait(redis: bool) {
+    let s = start(
+        "[tools.pay]\nupstream = \"stripe\"\n[upstreams.stripe]\nrate = \"2/s\"\nburst = 1\nshared = true\n",
+        redis,
+    );
+    let d = &s.daemon;
+    assert_eq!(d.admit(call("initech", "bot", "pay")).status, 200);
+    // Twenty refusals at 2/s: promised slots up to 10 s ahead.
+    let mut last = 0;
+    for i in 0..20 {
+        let r = d.admit(call("initech", "bot", "pay"));
+        assert_eq!(r.status, 429, "refusal {i}: {}", r.body);
+        last = r.body["retry_after_ms"].as_u64().unwrap();
+    }
+    assert!(last >= 6_000, "the twentieth promise at 2/s: {last} ms");
+    let wait = |t: &str| json!({"tenant": t, "subject": "bot", "tool": "pay", "max_wait_ms": 1000});
+    let held = d.admit(wait("acme"));
+    assert_eq!(
+        held.status, 200,
+        "another tenant waits behind no promise: {}",
+        held.body
+    );
+    let waited = held.body["waited_ms"].as_u64().unwrap();
+    assert!(waited <= 800, "one token at 2/s: {waited} ms");
+    let own = d.admit(wait("initech"));
+    assert_eq!(
+        own.status, 429,
+        "the tenant's own promises come first: {}",
+        own.body
+    );
+    let hint = own.body["retry_after_ms"].as_u64().unwrap();
+    assert!(hint >= 6_000, "told the slot after its promises: {hint} ms");
+}
+
 /// Shadow mode admits what enforce mode would refuse, says so, and spends nothing for it.
 fn shadow_mode_admits_and_spends_nothing(redis: bool) {
     let s = start(
@@ -383,6 +421,7 @@ both_stores!(
     a_daily_quota_refuses_until_midnight,
     an_upstream_429_pauses_it_and_cuts_its_rate,
     feedback_on_a_shared_upstream_pauses_every_tenant,
+    one_tenants_promises_on_a_shared_upstream_do_not_book_anothers_wait,
     shadow_mode_admits_and_spends_nothing,
     unknown_leases_are_404,
     task_intervals_follow_the_tasks_in_flight,

@@ -14,7 +14,8 @@
 -- centuries (2^53 us is 285 years).
 --
 -- Buckets are GCRA, as in the in-memory engine (src/engine/bucket.rs): a hash with `tat` (the
--- instant the bucket is full again), `p` (the promise cursor that spreads retry hints), and two
+-- instant the bucket is full again), `p` (the promise cursor that spreads retry hints; a
+-- cross-tenant bucket keeps one per tenant, `p:TENANT`, which the layer's `pf` names), and two
 -- expiry cursors: `x`, the instant the hash's own expiry was last pushed to, and `z`, the same for
 -- the concurrency set tied to the layer (the subject's or the tenant's). A key's expiry is pushed
 -- only when what it must outlive passes its cursor, and then [`SLACK`] beyond, so a busy key costs
@@ -146,7 +147,7 @@ local function read_layers(layers, forget)
     local T = l.T / m
     local tau = l.b * T
     local inc = math.floor(l.n * T)
-    local h = redis.call('HMGET', l.k, 'tat', 'p', 'x', 'z')
+    local h = redis.call('HMGET', l.k, 'tat', l.pf or 'p', 'x', 'z')
     local tat, p = num(h[1], 0), num(h[2], 0)
     local short = math.max(math.max(tat, now) + inc - (now + tau), 0)
     out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m, x = num(h[3], 0),
@@ -318,7 +319,7 @@ local function op_decide()
     if pen.layer > 0 then
       local l, s = spec.layers[pen.layer], st[pen.layer]
       local cursor, w = promise_at(s.p, s.tat, untl, s.inc, s.tau)
-      write_bucket(l.k, s, math.max(cursor, s.tat, untl) + GRACE, 'p', fmt(cursor))
+      write_bucket(l.k, s, math.max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
       wait = w
     else
       wait = stagger(pen.k, 'c', untl, pen.step, math.min(math.max(pen_wait, 1e6), HORIZON)) - now
@@ -418,8 +419,9 @@ local function op_decide()
       -- count too, so the hint covers the whole path.
       local cursor, wait, booked = promise_at(s.p, s.tat, 0, s.inc, s.tau)
       if booked == 0 then
-        write_bucket(l.k, s, math.max(cursor, s.tat) + GRACE, 'p', fmt(cursor))
-      end      for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
+        write_bucket(l.k, s, math.max(cursor, s.tat) + GRACE, l.pf or 'p', fmt(cursor))
+      end
+      for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
       local r = shed('layer', wait, booked, 0, i, layer_report(spec.layers, st, false))
       r[#r + 1] = fmt(s.m)
       return r

@@ -44,6 +44,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
                 .map_or(String::new(), |m| keys.key(tenant, m)),
             f: l.forget_us,
             pl: PROBE_LEN_US,
+            pf: l.key.cross_tenant().then(|| promise_field(tenant)),
         });
     }
     let local_index = |global: usize| {
@@ -405,6 +406,18 @@ struct LayerSpec {
     f: f64,
     /// How long a probe lasts (microseconds), for a state hash that holds a probe schedule.
     pl: f64,
+    /// The field of the bucket's hash that holds the caller's promise cursor, when not `p`: see
+    /// [`promise_field`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pf: Option<String>,
+}
+
+/// The promise cursor of `tenant` on a cross-tenant bucket (a shared upstream's, a global one): one
+/// per tenant, as in the in-memory engine, so the refusals of a tenant that loops on a shared budget
+/// book the slots its own callers are told and never the ones another tenant's calls wait for. A
+/// tenant's own buckets keep one cursor (`p`).
+pub(super) fn promise_field(tenant: &str) -> String {
+    format!("p:{tenant}")
 }
 
 #[derive(Serialize)]
