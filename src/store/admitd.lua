@@ -14,8 +14,8 @@
 -- centuries (2^53 us is 285 years).
 --
 -- Buckets are GCRA, as in the in-memory engine (src/engine/bucket.rs): a hash with `tat` (the
--- instant the bucket is full again), `p` (the promise cursor that spreads retry hints; a
--- cross-tenant bucket keeps one per tenant, `p:TENANT`, which the layer's `pf` names), and two
+-- instant the bucket is full again), `p` (the promise cursor that spreads retry hints; a shared
+-- upstream's bucket keeps one per tenant, `p:TENANT`, which the layer's `pf` names), and two
 -- expiry cursors: `x`, the instant the hash's own expiry was last pushed to, and `z`, the same for
 -- the concurrency set tied to the layer (the subject's or the tenant's). A key's expiry is pushed
 -- only when what it must outlive passes its cursor, and then [`SLACK`] beyond, so a busy key costs

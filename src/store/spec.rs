@@ -44,7 +44,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
                 .map_or(String::new(), |m| keys.key(tenant, m)),
             f: l.forget_us,
             pl: PROBE_LEN_US,
-            pf: l.key.cross_tenant().then(|| promise_field(tenant)),
+            pf: matches!(l.key, StateKey::SharedUpstreamBucket(_)).then(|| promise_field(tenant)),
         });
     }
     let local_index = |global: usize| {
@@ -412,10 +412,11 @@ struct LayerSpec {
     pf: Option<String>,
 }
 
-/// The promise cursor of `tenant` on a cross-tenant bucket (a shared upstream's, a global one): one
-/// per tenant, as in the in-memory engine, so the refusals of a tenant that loops on a shared budget
-/// book the slots its own callers are told and never the ones another tenant's calls wait for. A
-/// tenant's own buckets keep one cursor (`p`).
+/// The promise cursor of `tenant` on a shared upstream's bucket: one per tenant, as in the in-memory
+/// engine, so the refusals of a tenant that loops on a shared budget book the slots its own callers
+/// are told and never the ones another tenant's calls wait for. Every other bucket keeps one cursor
+/// (`p`): a tenant's own, and the global buckets, whose slices (a Redis Cluster) are taken only
+/// while no refused caller holds a promise on that one cursor.
 pub(super) fn promise_field(tenant: &str) -> String {
     format!("p:{tenant}")
 }
