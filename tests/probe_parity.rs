@@ -71,16 +71,15 @@ fn healthy_answer(r: &RedisServer, q: f64) -> Value {
 
 /// The multiplier the script reads for the state, through its snapshot operation.
 fn script_multiplier(r: &RedisServer) -> f64 {
-    let spec = json!({"tenant": "admitd:{t:a}:b:t", "tenant_slots": "admitd:{t:a}:c:t",
-        "tenant_quota": "admitd:{t:a}:q:t", "subject_bucket": "admitd:{t:a}:b:s:",
-        "subject_slots": "admitd:{t:a}:c:s:", "subject_quota": "admitd:{t:a}:q:s:",
+    let spec = json!({"h": "admitd:{t:a}:h", "z": "admitd:{t:a}:ls",
+        "tenant_quota": "admitd:{t:a}:q:t", "subject_quota": "admitd:{t:a}:q:s:",
         "index": "", "max_subjects": 100, "pens": [], "ups": [KEY], "forget": 120e6,
         "pl": (PROBE_LEN / 1000) as f64});
     let out = r.cli(&[
         "EVAL",
         SCRIPT,
         "1",
-        "admitd:{t:a}:b:t",
+        "admitd:{t:a}:h",
         "snapshot",
         &spec.to_string(),
         "",

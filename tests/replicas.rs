@@ -545,7 +545,7 @@ fn rediss_verifies_the_server_and_a_password_in_the_url_is_used() {
     }
     assert_eq!(d.admit(call("acme", "bot")).status, 429);
     let keys = redis.cli(&["--scan", "--pattern", "admitd:*"]);
-    assert!(keys.contains("admitd:{t:acme}:b:s:bot"), "{keys}");
+    assert!(keys.contains("admitd:{t:acme}:h"), "{keys}");
     // Not trusting it: the store is refused, and /readyz says why.
     let untrusted = Daemon::start_with_env(&config, &[("SSL_CERT_FILE", &cert)]);
     let ready = untrusted.get("/readyz");
@@ -766,89 +766,9 @@ fn a_failing_operation_in_a_batch_answers_an_error_for_itself_only() {
     assert!(until > 0.0, "the penalty is stored");
 }
 
-#[test]
-fn a_lease_stored_in_the_earlier_layout_is_released_and_refunded() {
-    let redis = RedisServer::start();
-    let d = Daemon::start(&format!(
-        "[limits.subject]\nrate = \"1/h\"\nburst = 5\nconcurrency = 2\n{}",
-        store(&redis.url(), false, "")
-    ));
-    // A lease of the layout before the lease data moved to one field: every part in a field.
-    assert_eq!(d.admit(call("acme", "bot")).status, 200);
-    let id = 0xfeed_u64;
-    let key = format!("admitd:{{t:acme}}:l:{id:016x}");
-    let started = redis
-        .cli(&["TIME"])
-        .lines()
-        .next()
-        .unwrap()
-        .parse::<u64>()
-        .unwrap()
-        * 1_000_000;
-    let zset = "admitd:{t:acme}:c:s:bot";
-    for z in [zset, "admitd:{t:acme}:c:t"] {
-        redis.cli(&[
-            "ZADD",
-            z,
-            &format!("{}", started + 60_000_000),
-            &format!("{id:016x}"),
-        ]);
-    }
-    redis.cli(&[
-        "HSET",
-        &key,
-        "subject",
-        "bot",
-        "tool",
-        "search",
-        "cost",
-        "1",
-        "day",
-        "0",
-        "hold_until",
-        &format!("{}", started + 30_000_000),
-        "started",
-        &started.to_string(),
-        "incs",
-        "[[\"admitd:{t:acme}:b:s:bot\",3600000000]]",
-        "quotas",
-        "[]",
-        "zsets",
-        &format!("[\"{zset}\",\"admitd:{{t:acme}}:c:t\"]"),
-        "up",
-        "[]",
-    ]);
-    redis.cli(&["PEXPIRE", &key, "60000"]);
-    let snap = d.get("/v1/tenants/acme");
-    assert_eq!(snap.body["inflight"], 2, "{}", snap.body);
-    let lease = admitd::api::lease::encode("acme", id);
-    // Cancelled while still held: its token comes back, and its slot is free.
-    let a = d.post(
-        "/v1/release",
-        json!({"lease_id": lease, "outcome": "cancelled"}),
-    );
-    assert_eq!(a.status, 200, "{}", a.body);
-    assert_eq!(
-        redis.cli(&["ZCARD", zset]),
-        "1",
-        "only the lease admitted above"
-    );
-    let snap = d.get("/v1/tenants/acme");
-    assert_eq!(snap.body["inflight"], 1, "{}", snap.body);
-    let bot = snap.body["buckets"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["layer"] == "subject" && b["key"] == "bot")
-        .cloned()
-        .unwrap();
-    // One token spent by the admission above, one (an hour of this rate) refunded by the release.
-    assert_eq!(bot["tokens"], 5, "{bot}");
-}
-
-/// Every key admitd writes has an expiry that covers what it holds: a set of leases lives until its
-/// last lease ends, a bucket until it is full again, and nothing lives forever, whether the key is
-/// new, emptied by releases and made again, or refused into.
+/// Every key admitd writes has an expiry that covers what it holds: the tenant's lease set and hash
+/// live until the last lease ends and the buckets are full again, and nothing lives forever,
+/// whether the key is new, its last lease released and a new one admitted, or refused into.
 #[test]
 fn every_key_expires_and_outlives_what_it_holds() {
     let redis = RedisServer::start();
@@ -857,42 +777,45 @@ fn every_key_expires_and_outlives_what_it_holds() {
         store(&redis.url(), false, "")
     ));
     let pttl = |key: &str| -> i64 { redis.cli(&["PTTL", key]).parse().unwrap() };
-    let subject_set = "admitd:{t:acme}:c:s:bot";
-    let tenant_set = "admitd:{t:acme}:c:t";
-    let bucket = "admitd:{t:acme}:b:s:bot";
+    let leases = "admitd:{t:acme}:ls";
+    let hash = "admitd:{t:acme}:h";
     // New keys.
     let first = d.admit(call("acme", "bot"));
     assert_eq!(first.status, 200, "{}", first.body);
-    for set in [subject_set, tenant_set] {
-        let left = pttl(set);
-        assert!(left >= 40_000, "{set} outlives its lease's 40 s: {left} ms");
-    }
-    let left = pttl(bucket);
+    let left = pttl(leases);
+    assert!(
+        left >= 40_000,
+        "the lease set outlives its lease's 40 s: {left} ms"
+    );
+    let left = pttl(hash);
     assert!(
         left >= 3_600_000 - 5_000,
-        "the bucket lives until it is full again (1 h): {left} ms"
+        "the hash lives until the subject's bucket is full again (1 h): {left} ms"
     );
-    // Emptied by the release (Redis drops an empty set) and made again by the next admission.
+    // The last lease released, the set stays (its sentinel) with its expiry, and a new lease
+    // is covered by it.
     assert_eq!(
         d.release(first.body["lease_id"].as_str().unwrap()).status,
         200
     );
-    assert_eq!(redis.cli(&["EXISTS", subject_set]), "0");
+    assert_eq!(redis.cli(&["ZCARD", leases]), "1", "only the sentinel");
+    assert_eq!(redis.cli(&["HGET", hash, "s:bot|n"]), "0");
     let second = d.admit(call("acme", "bot"));
     assert_eq!(second.status, 200, "{}", second.body);
-    let left = pttl(subject_set);
-    assert!(
-        left >= 40_000,
-        "a set made again has its expiry again: {left} ms"
-    );
+    let left = pttl(leases);
+    assert!(left >= 40_000, "{left} ms");
     // Refused: at the concurrency cap, then past the burst (a promise is written into the bucket).
     assert_eq!(d.admit(call("acme", "bot")).status, 200);
     assert_eq!(d.admit(call("acme", "bot")).status, 429);
-    for lease in redis.cli(&["ZRANGE", subject_set, "0", "-1"]).lines() {
-        let id = u64::from_str_radix(lease, 16).unwrap();
+    for member in redis.cli(&["ZRANGE", leases, "0", "-1"]).lines() {
+        if member == "~" {
+            continue;
+        }
+        let id = u64::from_str_radix(&member[..16], 16).unwrap();
         let lease = admitd::api::lease::encode("acme", id);
         assert_eq!(d.release(&lease).status, 200);
     }
+    assert_eq!(redis.cli(&["HGET", hash, "t|n"]), "0");
     let refused = d.admit(call("acme", "bot"));
     assert_eq!(refused.status, 429, "{}", refused.body);
     assert_eq!(refused.body["scope"], "subject", "{}", refused.body);
@@ -906,11 +829,50 @@ fn every_key_expires_and_outlives_what_it_holds() {
         202
     );
     let keys = redis.cli(&["--scan", "--pattern", "admitd:*"]);
-    assert!(keys.lines().count() >= 5, "{keys}");
+    assert!(keys.lines().count() >= 4, "{keys}");
     for key in keys.lines() {
         let left = pttl(key);
         assert!(left > 0, "{key} has no expiry: PTTL {left}");
     }
+}
+
+/// A lease never released leaves its slot at its end, and a sweep takes it out of the tenant's
+/// hash and lease set: what a replica that died with leases held leaves behind does not stay.
+#[test]
+fn an_ended_lease_is_swept_from_the_hash_and_the_set() {
+    let redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[server]\nlease_ttl = \"1s\"\n[limits.subject]\nconcurrency = 1\n{}",
+        store(&redis.url(), false, "")
+    ));
+    let hash = "admitd:{t:acme}:h";
+    let first = d.admit(call("acme", "bot"));
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(
+        d.admit(call("acme", "bot")).status,
+        429,
+        "the one slot is held"
+    );
+    let lease_fields = || {
+        redis
+            .cli(&["HKEYS", hash])
+            .lines()
+            .filter(|f| f.starts_with("l:"))
+            .count()
+    };
+    assert_eq!(lease_fields(), 1);
+    std::thread::sleep(Duration::from_millis(1_300));
+    // Its end passed: the slot is free again, and the one who finds it full sweeps it.
+    let second = d.admit(call("acme", "bot"));
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(lease_fields(), 1, "only the second lease");
+    assert_eq!(redis.cli(&["ZCARD", "admitd:{t:acme}:ls"]), "2");
+    assert_eq!(redis.cli(&["HGET", hash, "s:bot|n"]), "1");
+    // The ended lease is unknown to a release.
+    assert_eq!(
+        d.release(first.body["lease_id"].as_str().unwrap()).status,
+        404
+    );
 }
 
 /// Calls whose callers stopped waiting (their timeout passed while Redis was busy) are not decided
@@ -941,10 +903,12 @@ fn calls_given_up_by_their_callers_are_not_decided_later() {
         "every caller gave up after 100 ms: {statuses:?}"
     );
     // Redis woke up long after: the first admission's lease, and the two calls it already held.
+    // The tenant's lease set holds its leases and a sentinel.
     let leases = redis
-        .cli(&["ZCARD", "admitd:{t:acme}:c:t"])
+        .cli(&["ZCARD", "admitd:{t:acme}:ls"])
         .parse::<usize>()
-        .unwrap();
+        .unwrap()
+        - 1;
     assert!(
         leases <= 3,
         "{leases} leases for 1 admitted call and 16 refused ones"

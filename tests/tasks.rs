@@ -288,16 +288,17 @@ fn across_two_replicas_a_released_task_is_unknown() {
 fn in_redis_a_tasks_slot_outlives_the_calls_admitted_after_it() {
     let (redis, ds) = two_replicas(TASKS);
     let t = lease(&ds[0].admit(task("acme")));
-    let slots = "admitd:{t:acme}:c:t";
+    let slots = "admitd:{t:acme}:ls";
     let pttl = |k: &str| redis.cli(&["PTTL", k]).trim().parse::<i64>().unwrap_or(-3);
     assert!(
         pttl(slots) > 3_000_000,
         "the tenant's slots live the task's hour: {}",
         pttl(slots)
     );
-    // A call whose bucket forgot how far the set's expiry was pushed (its hash expired) must not
-    // cut the set's life down to the call's own TTL, or the task's slot would vanish with it.
-    redis.cli(&["DEL", "admitd:{t:acme}:b:t", "admitd:{t:acme}:b:s:other"]);
+    // A call that does not know how far the set's expiry was pushed (the cursor is gone from the
+    // tenant's hash) must not cut the set's life down to the call's own TTL, or the task's slot
+    // would vanish with it.
+    redis.cli(&["HDEL", "admitd:{t:acme}:h", "z"]);
     let c = lease(&ds[1].admit(call("acme")));
     assert!(pttl(slots) > 3_000_000, "{}", pttl(slots));
     ds[1].release(&c);

@@ -7,20 +7,33 @@
 -- each all or nothing on its own, answered in order (an error answers `{'error', message}` for its
 -- own operation only). Every key the script touches is named in the spec; KEYS[1] is one of them,
 -- so that Redis Cluster routes the call to the shard that holds them all (every key of one call
--- shares one hash tag; a cluster is never sent batches).
+-- shares one hash tag).
 --
--- Time is the store's own (TIME), in microseconds since the Unix epoch, so replicas whose clocks
--- disagree still enforce one limit. Microseconds keep every instant exact in a Lua double for
--- centuries (2^53 us is 285 years).
+-- Time is the store's own (TIME, read once per script call), in microseconds since the Unix epoch,
+-- so replicas whose clocks disagree still enforce one limit. Microseconds keep every instant exact
+-- in a Lua double for centuries (2^53 us is 285 years).
 --
--- Buckets are GCRA, as in the in-memory engine (src/engine/bucket.rs): a hash with `tat` (the
--- instant the bucket is full again), `p` (the promise cursor that spreads retry hints; a shared
--- upstream's bucket keeps one per tenant, `p:TENANT`, which the layer's `pf` names), and two
--- expiry cursors: `x`, the instant the hash's own expiry was last pushed to, and `z`, the same for
--- the concurrency set tied to the layer (the subject's or the tenant's). A key's expiry is pushed
--- only when what it must outlive passes its cursor, and then [`SLACK`] beyond, so a busy key costs
--- one PEXPIRE per SLACK instead of one per call. A key written without its cursor (no cursor, or
--- a hash that expired and came back) reads 0 and is pushed at once.
+-- Layout. A tenant's own state is one hash, `h` (the tenant's hash), whose fields are named by
+-- layer: a bucket layer's `<prefix>tat` (the instant it is full again) and `<prefix>p` (the
+-- promise cursor that spreads retry hints), with the prefix `t|` for the tenant's bucket, `s:NAME|`
+-- for a subject's and `u:NAME|` for a per-tenant upstream's; `t|n` and `s:NAME|n`, the leases a
+-- concurrency scope counts; `l:ID`, each live lease; `rt:TOOL`, how long the tool's calls run; and
+-- two expiry cursors, `x` (the instant the hash's own expiry was last pushed to) and `z` (the same
+-- for the tenant's lease set). One HMGET reads every layer of a decision and one HSET writes them.
+-- Other bucket layers (a subject's per tool, the cross-tenant ones) are hashes of their own with
+-- `tat`, `p` and `x` (a shared upstream's bucket keeps a promise cursor per tenant,
+-- `p:TENANT`, which the layer's `pf` names). The lease set `z` holds every lease of the tenant, scored by its end, as
+-- `ID` + the scopes it counts in (`t` tenant, `s` subject, `b` both, `-` none) + the subject, and a
+-- sentinel `~` at +inf that keeps the set from vanishing when its last lease is released: leases
+-- expire by being swept from it (their counts and their fields with them), when a count reaches
+-- its cap, and on one call in 64 (the lease id's last digits).
+--
+-- Every hash the script keeps in this layout is read at most once per script call and written
+-- once at its end (a batch of decisions that meet on the same hash, the global bucket for one,
+-- pays one HMGET and one HSET for all of them). A key's expiry is pushed only when what it must
+-- outlive passes its cursor, and then [`SLACK`] beyond, so a busy key costs one PEXPIRE per SLACK
+-- instead of one per call. A key written without its cursor (no cursor, or a hash that expired and
+-- came back) reads 0 and is pushed at once.
 -- Operations:
 --   decide   check and spend every layer of one call, all or nothing; returns ok / shed / busy
 --   release  end a lease: free its slots, refund what a cancelled hold took, report the upstream
@@ -74,19 +87,106 @@ local function keep_until(key, at, pushed)
   return at + SLACK
 end
 
--- Writes a bucket's fields (`...`: field, value pairs) and keeps it until `at`; records its expiry
--- cursor when it moved.
-local function write_bucket(key, s, at, ...)
-  local x = math.max(s.x, 0)
-  if x < at then
-    redis.call('HSET', key, 'x', fmt(at + SLACK), ...)
-    expire_at(key, at + SLACK)
-    s.x = at + SLACK
-  else
-    redis.call('HSET', key, ...)
+-- Runs `cmd key item...` over `items` in chunks (Lua's unpack is bounded).
+local function chunked(cmd, key, items)
+  for i = 1, #items, 1000 do
+    redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
   end
 end
 
+-- The hashes of this layout, read once and written once per script call. `load` reads the fields
+-- of a hash not read yet (and its cursor `x`) in one HMGET; `hget` answers a field loaded before;
+-- `hput` changes a field (nil: deletes it); `keep` asks that the hash live until an instant.
+-- `flush`, at the end of the script call, writes every changed field in one HSET (and one HDEL)
+-- per hash and pushes its expiry when what it must outlive passed its cursor.
+local cache, dirty = {}, {}
+
+local function entry(key)
+  local e = cache[key]
+  if e == nil then
+    e = {v = {}, d = {}, need = 0, dirty = false}
+    cache[key] = e
+  end
+  return e
+end
+
+local function mark(key, e)
+  if not e.dirty then
+    e.dirty = true
+    dirty[#dirty + 1] = key
+  end
+end
+
+local function load(key, fields)
+  local e = entry(key)
+  local want, seen = {}, {}
+  if e.v.x == nil then want[1] = 'x'; seen.x = true end
+  for _, f in ipairs(fields) do
+    if e.v[f] == nil and not seen[f] then want[#want + 1] = f; seen[f] = true end
+  end
+  if #want > 0 then
+    local got = redis.call('HMGET', key, unpack(want))
+    for i, f in ipairs(want) do e.v[f] = got[i] or false end
+  end
+  return e
+end
+
+local function hget(key, f)
+  local e = cache[key]
+  if e == nil then return nil end
+  local v = e.v[f]
+  if v == false then return nil end
+  return v
+end
+
+local function hput(key, f, v)
+  local e = entry(key)
+  if v == nil then e.v[f] = false else e.v[f] = v end
+  e.d[f] = true
+  mark(key, e)
+end
+
+local function keep(key, at)
+  local e = entry(key)
+  if at > e.need then e.need = at end
+  mark(key, e)
+end
+
+local function flush()
+  for _, key in ipairs(dirty) do
+    local e = cache[key]
+    local x = num(e.v.x, 0)
+    local push = e.need > x
+    if push then
+      x = e.need + SLACK
+      e.v.x = fmt(x)
+      e.d.x = true
+    end
+    local set, del = {}, {}
+    for f in pairs(e.d) do
+      local v = e.v[f]
+      if v then
+        set[#set + 1] = f
+        set[#set + 1] = v
+      else
+        del[#del + 1] = f
+      end
+    end
+    if #set > 0 then chunked('HSET', key, set) end
+    if #del > 0 then chunked('HDEL', key, del) end
+    if push then expire_at(key, x) end
+    e.d, e.need, e.dirty = {}, 0, false
+  end
+  dirty = {}
+end
+
+-- Writes a bucket layer's fields (`...`: field, value pairs, named without the layer's prefix) and
+-- keeps its hash until `at`.
+local function write_bucket(l, at, ...)
+  local kv = {...}
+  for i = 1, #kv, 2 do hput(l.k, l.fp .. kv[i], kv[i + 1]) end
+  keep(l.k, at)
+end
 -- The AIMD multiplier of an upstream state hash (1 once a cut is older than `forget`). A hash that
 -- holds a probe schedule (`pa`, written by the `probe` operation; src/engine/probe.rs computes it)
 -- is never forgotten: its multiplier is the probe's target `pt` from `pa` for `pl` microseconds
@@ -132,6 +232,18 @@ local function stagger(key, field, base, step, window)
   return nxt
 end
 
+
+-- The same on a field of a hash of this layout.
+local function stagger_cached(key, field, base, step, window)
+  load(key, {field})
+  local last = num(hget(key, field), 0)
+  local nxt = math.max(last + step, base)
+  if nxt > base + window then nxt = base end
+  hput(key, field, fmt(nxt))
+  keep(key, nxt + window + GRACE)
+  return nxt
+end
+
 local function whole_tokens(burst, T, tat)
   local missing = math.max(tat - now, 0)
   local tokens = burst - missing / T
@@ -139,19 +251,27 @@ local function whole_tokens(burst, T, tat)
   return math.floor(tokens + burst * 1e-12)
 end
 
--- Reads every bucket layer of a call: its shape at the current AIMD multiplier and its state.
-local function read_layers(layers, forget)
+-- Reads every bucket layer of a call, with `more` fields of the tenant's hash `h` in the same
+-- HMGET: its shape at the current AIMD multiplier and its state.
+local function read_layers(layers, forget, h, more)
+  local want = {}
+  if h and h ~= '' then want[h] = more end
+  for _, l in ipairs(layers) do
+    local w = want[l.k]
+    if w == nil then w = {}; want[l.k] = w end
+    w[#w + 1] = l.fp .. 'tat'
+    w[#w + 1] = l.fp .. (l.pf or 'p')
+  end
+  for k, fields in pairs(want) do load(k, fields) end
   local out = {}
   for i, l in ipairs(layers) do
     local m = multiplier(l.m, l.f or forget, l.pl)
     local T = l.T / m
     local tau = l.b * T
     local inc = math.floor(l.n * T)
-    local h = redis.call('HMGET', l.k, 'tat', l.pf or 'p', 'x', 'z')
-    local tat, p = num(h[1], 0), num(h[2], 0)
+    local tat, p = num(hget(l.k, l.fp .. 'tat'), 0), num(hget(l.k, l.fp .. (l.pf or 'p')), 0)
     local short = math.max(math.max(tat, now) + inc - (now + tau), 0)
-    out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m, x = num(h[3], 0),
-      z = num(h[4], 0)}
+    out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m}
   end
   return out
 end
@@ -168,26 +288,82 @@ local function layer_report(layers, st, taken)
   return r
 end
 
--- A lease is one string, `day|hold_until|started|[tokens per layer]|flags|d`, written with its
--- expiry in one command and read and deleted by the release in one: `d` is what admitd wrote for the
--- release (subject, tool, cost, the layers' keys, the quota and concurrency keys, the upstreams),
--- the rest what was decided here; flag `n`: nothing to give back (shadow mode).
-local function write_lease(day, hold_until, incs, flags, ends)
-  local ms = math.max(math.ceil((ends - now) / 1000), 1)
-  redis.call('SET', spec.lease, day .. '|' .. fmt(hold_until) .. '|' .. fmt(now) .. '|' .. incs ..
-    '|' .. flags .. '|' .. extra, 'PX', ms)
+-- A lease is the field `l:ID` of the tenant's hash, `day|hold_until|started|ends|[tokens per
+-- layer]|flags|d`, and its member in the lease set (scored by `ends`): `d` is what admitd wrote for
+-- the release (subject, tool, cost, the layers' keys and prefixes, the quota keys, its member, the
+-- upstreams), the rest what was decided here; flag `n`: nothing to give back (shadow mode). A lease
+-- whose end has passed is gone, whether or not a sweep has removed it yet.
+local function write_lease(day, hold_until, incs, flags, ends, member)
+  local h = spec.h
+  hput(h, 'l:' .. spec.id, day .. '|' .. fmt(hold_until) .. '|' .. fmt(now) .. '|' .. fmt(ends) ..
+    '|' .. incs .. '|' .. flags .. '|' .. extra)
+  keep(h, ends + GRACE)
+  redis.call('ZADD', spec.z, fmt(ends), member, '+inf', '~')
+  load(h, {'z'})
+  local z = num(hget(h, 'z'), 0)
+  local nz = keep_until(spec.z, ends + GRACE, z)
+  if nz ~= z then hput(h, 'z', fmt(nz)) end
+end
+
+-- A live lease of the tenant's hash `h`, parsed; nil when there is none (or it has ended).
+local function read_lease(h, id)
+  load(h, {'l:' .. id})
+  local v = hget(h, 'l:' .. id)
+  if not v then return nil end
+  local day, hu, started, ends, incs, flags, d =
+    string.match(v, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  if not d then return nil end
+  ends = tonumber(ends)
+  if not ends or ends <= now then return nil end
+  return {day = day, hold_until = hu, started = started, ends = ends, incs = incs, flags = flags, d = d}
+end
+
+-- The counts of a lease-set member (`ID` + scopes + subject) move by `by`.
+local function count(h, member, by)
+  local scopes, subject = string.sub(member, 17, 17), string.sub(member, 18)
+  local fields = {}
+  if scopes == 't' or scopes == 'b' then fields[#fields + 1] = 't|n' end
+  if scopes == 's' or scopes == 'b' then fields[#fields + 1] = 's:' .. subject .. '|n' end
+  if #fields == 0 then return end
+  load(h, fields)
+  for _, f in ipairs(fields) do
+    hput(h, f, fmt(math.max(num(hget(h, f), 0) + by, 0)))
+  end
+end
+
+-- Sweeps the leases of the set `z` (of the hash `h`) that have ended: out of their counts, their
+-- fields and the set. At most `limit` (nil: all).
+local function sweep(h, z, limit)
+  local gone
+  if limit then
+    gone = redis.call('ZRANGEBYSCORE', z, '-inf', fmt(now), 'LIMIT', 0, limit)
+  else
+    gone = redis.call('ZRANGEBYSCORE', z, '-inf', fmt(now))
+  end
+  if #gone == 0 then return end
+  local fields = {}
+  for _, m in ipairs(gone) do
+    local s = string.sub(m, 17, 17)
+    if s == 't' or s == 'b' then fields[#fields + 1] = 't|n' end
+    if s == 's' or s == 'b' then fields[#fields + 1] = 's:' .. string.sub(m, 18) .. '|n' end
+  end
+  load(h, fields)
+  for _, m in ipairs(gone) do
+    count(h, m, -1)
+    hput(h, 'l:' .. string.sub(m, 1, 16), nil)
+  end
+  chunked('ZREM', z, gone)
 end
 
 local function shed(scope, wait, booked, account_wide, layer, report)
-  if spec.shadow and spec.lease ~= '' then
+  if spec.shadow and spec.own then
     -- Shadow mode admits the call without spending anything: its lease holds no slot and no token.
-    write_lease('0', 0, '[]', 'n', now + spec.ttl)
+    write_lease('0', 0, '[]', 'n', now + spec.ttl, string.sub(spec.m, 1, 16) .. '-' .. spec.subject)
   end
   local r = {'shed', scope, fmt(math.max(wait, 0)), tostring(booked), tostring(account_wide), tostring(layer)}
   for _, v in ipairs(report) do r[#r + 1] = v end
   return r
 end
-
 -- Adaptive-throttle window: requests and accepts per slot, `r:<slot>` and `a:<slot>` fields.
 local SRE_SLOTS = 24
 local function sre_totals(key, window)
@@ -304,7 +480,14 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
 end
 
 local function op_decide()
-  local st = read_layers(spec.layers, spec.forget)
+  local h = ''
+  local more = {}
+  if spec.own then
+    h = spec.h
+    more[1] = 'z'
+    for _, c in ipairs(spec.conc) do more[#more + 1] = c.f end
+  end
+  local st = read_layers(spec.layers, spec.forget, h, more)
 
   -- Upstream penalty: refused until the upstream's Retry-After has passed, promised the slot of the
   -- upstream's bucket after it (or a staggered instant, for an upstream without a bucket).
@@ -319,7 +502,7 @@ local function op_decide()
     if pen.layer > 0 then
       local l, s = spec.layers[pen.layer], st[pen.layer]
       local cursor, w = promise_at(s.p, s.tat, untl, s.inc, s.tau)
-      write_bucket(l.k, s, math.max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
+      write_bucket(l, math.max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
       wait = w
     else
       wait = stagger(pen.k, 'c', untl, pen.step, math.min(math.max(pen_wait, 1e6), HORIZON)) - now
@@ -339,27 +522,44 @@ local function op_decide()
     end
   end
 
-  -- Concurrency: a sorted set of leases per scope, scored by their expiry, so a lease that is never
-  -- released (its replica died) frees its slot at its TTL without a sweeper. Expired leases are
-  -- dropped before counting only when the count with them reaches the cap (below it, so is the
-  -- count without them), and on one call in 16 (the lease id's last hex digit) to bound the set.
-  local trim = string.sub(spec.id, -1) == '0'
-  for _, c in ipairs(spec.conc) do
-    local n = redis.call('ZCARD', c.k)
-    if n >= c.cap or (trim and n > 0) then
-      redis.call('ZREMRANGEBYSCORE', c.k, '-inf', fmt(now))
-      n = redis.call('ZCARD', c.k)
+  -- Concurrency: each scope counts its leases in a field of the tenant's hash; the lease set,
+  -- scored by the leases' ends, frees the slot of a lease that is never released (its replica
+  -- died) at its TTL without a sweeper. Ended leases are swept before counting when a count
+  -- reaches its cap (below it, so is the count without them), and on one call in 64 (the lease
+  -- id's last two hex digits) to bound the set.
+  if spec.own then
+    local full = false
+    for _, c in ipairs(spec.conc) do
+      c.n = num(hget(h, c.f), 0)
+      if c.n >= c.cap then full = true end
     end
-    c.n = n
-    if n >= c.cap then
+    if full or tonumber(string.sub(spec.id, -2), 16) < 4 then
+      if full then sweep(h, spec.z, nil) else sweep(h, spec.z, 256) end
+      for _, c in ipairs(spec.conc) do c.n = num(hget(h, c.f), 0) end
+    end
+  end
+  for _, c in ipairs(spec.conc) do
+    if c.n >= c.cap then
       -- The slot expected to free first: each lease's start plus how long this tool's calls run.
-      local run = num(redis.call('HGET', spec.rt.k, spec.rt.f), 1e6)
+      local rf = 'rt:' .. spec.tool
+      load(h, {rf})
+      local run = num(hget(h, rf), 1e6)
       local earliest = nil
-      local live = redis.call('ZRANGE', c.k, 0, -1, 'WITHSCORES')
-      for i = 2, #live, 2 do
-        local started = tonumber(live[i]) - spec.ttl
-        local free = math.max(started + run, now + spec.floor)
-        if earliest == nil or free < earliest then earliest = free end
+      local live = redis.call('ZRANGE', spec.z, 0, -1, 'WITHSCORES')
+      for i = 1, #live - 1, 2 do
+        local m = live[i]
+        local s = string.sub(m, 17, 17)
+        local counted
+        if c.sub then
+          counted = (s == 's' or s == 'b') and string.sub(m, 18) == spec.subject
+        else
+          counted = s == 't' or s == 'b'
+        end
+        if counted then
+          local started = tonumber(live[i + 1]) - spec.ttl
+          local free = math.max(started + run, now + spec.floor)
+          if earliest == nil or free < earliest then earliest = free end
+        end
       end
       earliest = earliest or (now + run)
       if spec.max_wait > 0 and not spec.shadow then
@@ -369,7 +569,7 @@ local function op_decide()
       -- slots free), each a margin after the end it waits for: the release travels too.
       local margin = math.min(math.max(run * 0.05, 20e3), 250e3)
       local step = math.max((run + margin) / c.cap, 1e3)
-      local wait = stagger(spec.rt.k, c.cursor, earliest + margin, step, HORIZON) - now
+      local wait = stagger_cached(h, c.cursor, earliest + margin, step, HORIZON) - now
       return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
     end
   end
@@ -419,7 +619,7 @@ local function op_decide()
       -- count too, so the hint covers the whole path.
       local cursor, wait, booked = promise_at(s.p, s.tat, 0, s.inc, s.tau)
       if booked == 0 then
-        write_bucket(l.k, s, math.max(cursor, s.tat) + GRACE, l.pf or 'p', fmt(cursor))
+        write_bucket(l, math.max(cursor, s.tat) + GRACE, l.pf or 'p', fmt(cursor))
       end
       for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
       local r = shed('layer', wait, booked, 0, i, layer_report(spec.layers, st, false))
@@ -429,28 +629,11 @@ local function op_decide()
     if s.short > hold then hold = s.short end
   end
 
-  -- The leases' sets first: a set's expiry cursor is written with its layer's bucket below. A set
-  -- that was empty is new (an empty set does not exist in Redis), so its expiry is pushed whatever
-  -- the cursor says.
   local ends = now + hold + spec.ttl
-  if spec.lease ~= '' then
-    for _, c in ipairs(spec.conc) do
-      redis.call('ZADD', c.k, fmt(ends), spec.id)
-      local s = st[c.x]
-      local pushed = 0
-      if s and c.n > 0 then pushed = s.z end
-      local z = keep_until(c.k, ends + GRACE, pushed)
-      if s and z ~= s.z then s.nz = z end
-    end
-  end
   for i, l in ipairs(spec.layers) do
     local s = st[i]
     local tat = math.max(s.tat, now) + s.inc
-    if s.nz then
-      write_bucket(l.k, s, math.max(tat, s.p) + GRACE, 'tat', fmt(tat), 'z', fmt(s.nz))
-    else
-      write_bucket(l.k, s, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
-    end
+    write_bucket(l, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
   end
   for _, q in ipairs(spec.quota) do
     redis.call('HINCRBYFLOAT', q.k, tostring(day), fmt(spec.cost))
@@ -477,65 +660,68 @@ local function op_decide()
   for _, u in ipairs(spend) do
     for _, b in ipairs(u.b) do report[#report + 1] = fmt(b.left) end
   end
-  if spec.lease ~= '' then
+  if spec.own then
+    for _, c in ipairs(spec.conc) do hput(h, c.f, fmt(c.n + 1)) end
     local incs = {}
     for i = 1, #spec.layers do incs[i] = fmt(st[i].inc) end
-    write_lease(tostring(day), now + hold, '[' .. table.concat(incs, ',') .. ']', '', ends)
+    write_lease(tostring(day), now + hold, '[' .. table.concat(incs, ',') .. ']', '', ends, spec.m)
   end
   if spec.index ~= '' then
+    -- Subjects not seen for a day leave the index, and their fields the tenant's hash once they
+    -- are at rest (a bucket full again, nothing promised, no lease counted).
+    local old = redis.call('ZRANGEBYSCORE', spec.index, '-inf', fmt(now - DAY), 'LIMIT', 0, 64)
+    if #old > 0 then
+      local fields = {}
+      for _, n in ipairs(old) do
+        local p = 's:' .. n .. '|'
+        fields[#fields + 1] = p .. 'tat'
+        fields[#fields + 1] = p .. 'p'
+        fields[#fields + 1] = p .. 'n'
+      end
+      load(h, fields)
+      local done = {}
+      for _, n in ipairs(old) do
+        local p = 's:' .. n .. '|'
+        if num(hget(h, p .. 'tat'), 0) + GRACE <= now and num(hget(h, p .. 'p'), 0) + HORIZON + GRACE <= now
+          and num(hget(h, p .. 'n'), 0) == 0 then
+          for _, f in ipairs({'tat', 'p', 'n'}) do
+            if hget(h, p .. f) then hput(h, p .. f, nil) end
+          end
+          done[#done + 1] = n
+        end
+      end
+      if #done > 0 then chunked('ZREM', spec.index, done) end
+    end
     redis.call('ZADD', spec.index, fmt(now), spec.subject)
-    redis.call('ZREMRANGEBYSCORE', spec.index, '-inf', fmt(now - DAY))
     expire_at(spec.index, now + DAY)
   end
   local r = {'ok', fmt(hold)}
   for _, v in ipairs(report) do r[#r + 1] = v end
   return r
 end
-
--- Gives back tokens: `incs` is a list of {key, microseconds}.
+-- Gives back tokens: `incs` is a list of {key, field prefix, microseconds}.
 local function refund(incs)
   for _, kv in ipairs(incs) do
-    local tat = num(redis.call('HGET', kv[1], 'tat'), nil)
-    if tat then redis.call('HSET', kv[1], 'tat', fmt(tat - kv[2])) end
+    local f = kv[2] .. 'tat'
+    load(kv[1], {f})
+    local tat = num(hget(kv[1], f), nil)
+    if tat then hput(kv[1], f, fmt(tat - kv[3])) end
   end
-end
-
--- A lease's hash as the release reads it: `d` (what admitd stored) and the decided fields. A lease
--- written before `d` existed keeps every part in a field of its own; it reads the same.
-local function lease_data(l)
-  if l.d == nil then
-    return {subject = l.subject, tool = l.tool, cost = tonumber(l.cost), quotas = cjson.decode(l.quotas),
-      zsets = cjson.decode(l.zsets), up = cjson.decode(l.up)}, cjson.decode(l.incs)
-  end
-  local d = cjson.decode(l.d)
-  local incs = {}
-  if l.nothing == nil then
-    for i, v in ipairs(cjson.decode(l.incs)) do incs[i] = {d.keys[i], v} end
-  else
-    d.cost, d.quotas, d.zsets = 0, {}, {}
-  end
-  return d, incs
 end
 
 local function op_release()
-  local l = {}
-  local v = redis.pcall('GETDEL', spec.lease)
-  if type(v) == 'table' and v.err then
-    -- Not a string: a lease of an earlier layout, a hash.
-    local h = redis.call('HGETALL', spec.lease)
-    if #h == 0 then return {'unknown'} end
-    for i = 1, #h, 2 do l[h[i]] = h[i + 1] end
-    redis.call('DEL', spec.lease)
-  elseif not v then
-    return {'unknown'}
+  local h = spec.h
+  local l = read_lease(h, spec.id)
+  if not l then return {'unknown'} end
+  local d = cjson.decode(l.d)
+  hput(h, 'l:' .. spec.id, nil)
+  if redis.call('ZREM', spec.z, d.m) == 1 then count(h, d.m, -1) end
+  local incs = {}
+  if l.flags == 'n' then
+    d.cost, d.quotas = 0, {}
   else
-    local day, hu, started, incs, flags, d = string.match(v, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
-    if not d then return redis.error_reply('admitd: unreadable lease ' .. spec.lease) end
-    l = {day = day, hold_until = hu, started = started, incs = incs, d = d}
-    if flags == 'n' then l.nothing = '1' end
+    for i, v in ipairs(cjson.decode(l.incs)) do incs[i] = {d.keys[i][1], d.keys[i][2], v} end
   end
-  local d, incs = lease_data(l)
-  for _, z in ipairs(d.zsets) do redis.call('ZREM', z, spec.id) end
   -- refund: 'always' (a held caller went away), 'never' (an edge admission ends), or 'hold' (a
   -- cancellation refunds only while the call was still held: after that the call ran).
   local give_back = spec.refund == 'always' or (spec.refund == 'hold' and now < tonumber(l.hold_until))
@@ -551,19 +737,20 @@ local function op_release()
   -- and to its daily quotas, or is charged on top (a bucket then refills later; a quota may go past
   -- its limit), as the engine settles a release in memory. Quotas settle on the day of the
   -- admission. A call given everything back above, or a shadow lease, has nothing to settle.
-  if type(spec.cost) == 'number' and not give_back and l.nothing == nil and (d.cost or 0) > 0 then
+  if type(spec.cost) == 'number' and not give_back and l.flags ~= 'n' and (d.cost or 0) > 0 then
     local diff = d.cost - spec.cost
     if diff ~= 0 then
       local share = math.abs(diff) / d.cost
       for _, kv in ipairs(incs) do
-        local inc = math.floor(kv[2] * share)
+        local inc = math.floor(kv[3] * share)
         if inc > 0 and diff > 0 then
-          refund({{kv[1], inc}})
+          refund({{kv[1], kv[2], inc}})
         elseif inc > 0 then
           -- Charged whatever the bucket holds: the call has already run.
-          local h = redis.call('HMGET', kv[1], 'tat', 'x')
-          local tat = math.max(num(h[1], 0), now) + inc
-          write_bucket(kv[1], {x = num(h[2], 0)}, tat + GRACE, 'tat', fmt(tat))
+          local f = kv[2] .. 'tat'
+          load(kv[1], {f})
+          local tat = math.max(num(hget(kv[1], f), 0), now) + inc
+          write_bucket({k = kv[1], fp = kv[2]}, tat + GRACE, 'tat', fmt(tat))
         end
       end
       for _, q in ipairs(d.quotas) do
@@ -575,7 +762,7 @@ local function op_release()
   -- Spend: the actual figures replace the estimates (a unit the release does not name keeps its
   -- estimate; a cancellation, or a held caller gone, gives it all back), in each budget that still
   -- counts it: a daily one on the day of the reservation, a run's while it is remembered.
-  if l.nothing == nil and d.spend then
+  if l.flags ~= 'n' and d.spend then
     local cancel = spec.cancel or give_back
     for _, u in ipairs(d.spend) do
       local actual = u.n
@@ -619,12 +806,14 @@ local function op_release()
     end
   end
   if spec.duration >= 0 then
-    local rt = spec.rt_key
-    local avg = num(redis.call('HGET', rt, d.tool), nil)
+    -- How long the tool's calls run (concurrency hints): a moving average, kept a day.
+    local rf = 'rt:' .. d.tool
+    load(h, {rf})
+    local avg = num(hget(h, rf), nil)
     local dur = spec.duration
     if avg then avg = 0.8 * avg + 0.2 * dur else avg = dur end
-    redis.call('HSET', rt, d.tool, fmt(avg))
-    expire_at(rt, now + DAY)
+    hput(h, rf, fmt(avg))
+    keep(h, now + DAY)
   end
   local cross, name = '', ''
   if #ups > 0 then
@@ -655,25 +844,32 @@ local function op_refund()
 end
 
 local function op_snapshot()
-  -- Empty key names are skipped (a cluster reads cross-tenant upstreams in a second call).
+  -- An empty hash name skips the tenant's part (a cluster reads cross-tenant upstreams in a second
+  -- call).
   local day = tostring(math.floor(now / DAY))
-  local function tat(k) if k == '' then return 0 end return num(redis.call('HGET', k, 'tat'), 0) end
-  local function live(k)
-    if k == '' then return 0 end
-    redis.call('ZREMRANGEBYSCORE', k, '-inf', fmt(now))
-    return redis.call('ZCARD', k)
-  end
+  local h = spec.h
   local function used(k) if k == '' then return 0 end return num(redis.call('HGET', k, day), 0) end
-  local out = {now = now, day_ends = (tonumber(day) + 1) * DAY,
-    tenant_tat = tat(spec.tenant), tenant_inflight = live(spec.tenant_slots),
+  local out = {now = now, day_ends = (tonumber(day) + 1) * DAY, tenant_tat = 0, tenant_inflight = 0,
     tenant_quota = used(spec.tenant_quota), subjects = {}, pens = {}, ups = {}, spend = {}}
   -- Each spend unit's figure of the tenant's day (reserved and settled).
   for i, k in ipairs(spec.spend or {}) do out.spend[i] = used(k) end
-  if spec.index ~= '' then
-    local names = redis.call('ZREVRANGEBYSCORE', spec.index, '+inf', fmt(now - DAY), 'LIMIT', 0, spec.max_subjects)
+  if h ~= '' then
+    sweep(h, spec.z, nil)
+    local names = {}
+    if spec.index ~= '' then
+      names = redis.call('ZREVRANGEBYSCORE', spec.index, '+inf', fmt(now - DAY), 'LIMIT', 0, spec.max_subjects)
+    end
+    local fields = {'t|tat', 't|n'}
     for _, n in ipairs(names) do
-      out.subjects[#out.subjects + 1] = {name = n, tat = tat(spec.subject_bucket .. n),
-        inflight = live(spec.subject_slots .. n), quota = used(spec.subject_quota .. n)}
+      fields[#fields + 1] = 's:' .. n .. '|tat'
+      fields[#fields + 1] = 's:' .. n .. '|n'
+    end
+    load(h, fields)
+    out.tenant_tat = num(hget(h, 't|tat'), 0)
+    out.tenant_inflight = num(hget(h, 't|n'), 0)
+    for _, n in ipairs(names) do
+      out.subjects[#out.subjects + 1] = {name = n, tat = num(hget(h, 's:' .. n .. '|tat'), 0),
+        inflight = num(hget(h, 's:' .. n .. '|n'), 0), quota = used(spec.subject_quota .. n)}
     end
   end
   for i, k in ipairs(spec.pens) do
@@ -698,32 +894,39 @@ local function outlive(key, at)
   if left == -1 or now + left * 1000 < at then expire_at(key, at + SLACK) end
 end
 
--- Moves a live lease's end to `ttl` after now (after its hold), its slots' with it. Returns the
--- new end, or nil when the lease is gone.
+-- Moves a live lease's end to `ttl` after now (after its hold), its place in the lease set with it.
+-- Returns the new end, or nil when the lease is gone.
 local function extend(ttl)
-  local v = redis.pcall('GET', spec.lease)
-  if type(v) ~= 'string' then return nil end
-  local hu, d = string.match(v, '^[^|]*|([^|]*)|[^|]*|[^|]*|[^|]*|(.*)$')
-  if not d then return nil end
-  local ends = math.max(now, tonumber(hu) or now) + ttl
-  expire_at(spec.lease, ends)
-  local ok, data = pcall(cjson.decode, d)
-  if ok and type(data) == 'table' and type(data.zsets) == 'table' then
-    for _, z in ipairs(data.zsets) do
-      redis.call('ZADD', z, 'XX', fmt(ends), spec.id)
-      outlive(z, ends + GRACE)
-    end
+  local h = spec.h
+  local l = read_lease(h, spec.id)
+  if not l then return nil end
+  local ends = math.max(now, tonumber(l.hold_until) or now) + ttl
+  local ok, data = pcall(cjson.decode, l.d)
+  if ok and type(data) == 'table' and type(data.m) == 'string' then
+    redis.call('ZADD', spec.z, 'XX', fmt(ends), data.m)
   end
+  hput(h, 'l:' .. spec.id, l.day .. '|' .. l.hold_until .. '|' .. l.started .. '|' .. fmt(ends) .. '|' ..
+    l.incs .. '|' .. l.flags .. '|' .. l.d)
+  keep(h, ends + GRACE)
+  load(h, {'z'})
+  local z = num(hget(h, 'z'), 0)
+  local nz = keep_until(spec.z, ends + GRACE, z)
+  if nz ~= z then hput(h, 'z', fmt(nz)) end
   return ends
 end
 
 -- The tenant's tasks in flight: those whose lease is still there (a released task's lease is gone).
 local function tasks_in_flight()
   redis.call('ZREMRANGEBYSCORE', spec.tasks, '-inf', fmt(now))
-  local n = 0
-  for _, id in ipairs(redis.call('ZRANGE', spec.tasks, 0, -1)) do
-    if redis.call('EXISTS', spec.lp .. id) == 1 then n = n + 1 else redis.call('ZREM', spec.tasks, id) end
+  local ids = redis.call('ZRANGE', spec.tasks, 0, -1)
+  local fields = {}
+  for i, id in ipairs(ids) do fields[i] = 'l:' .. id end
+  load(spec.h, fields)
+  local n, gone = 0, {}
+  for _, id in ipairs(ids) do
+    if read_lease(spec.h, id) then n = n + 1 else gone[#gone + 1] = id end
   end
+  if #gone > 0 then chunked('ZREM', spec.tasks, gone) end
   return n
 end
 
@@ -750,7 +953,8 @@ local function op_task()
 end
 
 local function op_poll()
-  if redis.call('EXISTS', spec.lease) == 0 then return {'unknown'} end
+  local l = read_lease(spec.h, spec.id)
+  if not l then return {'unknown'} end
   local x = redis.call('GET', spec.x)
   if not x then return {'unknown'} end
   local due, ttl = string.match(x, '^([^|]*)|(.*)$')
@@ -786,15 +990,15 @@ end
 -- microseconds until full after it.
 local function op_slice()
   local T, b = spec.T, spec.b
-  local h = redis.call('HMGET', spec.k, 'tat', 'p', 'x')
-  local s = {tat = num(h[1], 0), p = num(h[2], 0), x = num(h[3], 0)}
+  load(spec.k, {'tat', 'p'})
+  local s = {tat = num(hget(spec.k, 'tat'), 0), p = num(hget(spec.k, 'p'), 0)}
   local free = math.floor((now + b * T - math.max(s.tat, now)) / T + 1e-9)
   if cursor_live(s.p, s.tat, b * T, 0) then free = 0 end
   local g = math.max(math.min(math.floor(spec.n), free), 0)
   local tat = s.tat
   if g > 0 then
     tat = math.max(s.tat, now) + math.ceil(g * T)
-    write_bucket(spec.k, s, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
+    write_bucket({k = spec.k, fp = ''}, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
   end
   return {'ok', tostring(g), tostring(whole_tokens(b, T, tat)), fmt(math.max(tat - now, 0))}
 end
@@ -820,7 +1024,10 @@ if op == 'batch' then
     end
     out[#out + 1] = r
   end
+  flush()
   return out
 end
 
-return run(op, ARGV[2], ARGV[3])
+local r = run(op, ARGV[2], ARGV[3])
+flush()
+return r

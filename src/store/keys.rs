@@ -33,6 +33,37 @@ impl Keys {
         format!("{}:{{x}}", self.prefix)
     }
 
+    /// The tenant's hash: its own bucket layers (tenant, subjects, per-tenant upstreams), the counts
+    /// of its concurrency scopes, its live leases and its tools' run times, as fields (see the
+    /// script's header).
+    pub fn hash(&self, tenant: &str) -> String {
+        format!("{}:h", self.tenant_base(tenant))
+    }
+
+    /// The tenant's lease set: every live lease, scored by its end.
+    pub fn leases(&self, tenant: &str) -> String {
+        format!("{}:ls", self.tenant_base(tenant))
+    }
+
+    /// Where a bucket layer's state lives: a hash and the prefix of its fields in it (the tenant's
+    /// hash for the tenant's own layers, a hash of its own with no prefix for the others).
+    pub fn layer(&self, tenant: &str, k: &StateKey) -> (String, String) {
+        match k {
+            StateKey::TenantBucket => (self.hash(tenant), "t|".into()),
+            StateKey::SubjectBucket(s) => (self.hash(tenant), format!("s:{s}|")),
+            StateKey::UpstreamBucket(u) => (self.hash(tenant), format!("u:{u}|")),
+            _ => (self.key(tenant, k), String::new()),
+        }
+    }
+
+    /// The field of the tenant's hash that counts a concurrency scope's leases.
+    pub fn slots_field(k: &StateKey) -> String {
+        match k {
+            StateKey::SubjectSlots(s) => format!("s:{s}|n"),
+            _ => "t|n".into(),
+        }
+    }
+
     pub fn key(&self, tenant: &str, k: &StateKey) -> String {
         let t = || self.tenant_base(tenant);
         let x = || self.cross_base();

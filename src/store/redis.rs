@@ -612,7 +612,8 @@ impl RedisStore {
             },
         };
         let mut spec = json!({
-            "lease": self.key(&tenant, &StateKey::Lease(lease)),
+            "h": self.keys.hash(&tenant),
+            "z": self.keys.leases(&tenant),
             "id": format!("{lease:016x}"),
             "refund": refund,
             "report": info.is_some(),
@@ -620,7 +621,6 @@ impl RedisStore {
             "retry_after": retry_after,
             "default_penalty": DEFAULT_PENALTY_US,
             "duration": duration,
-            "rt_key": self.key(&tenant, &StateKey::RunTimes),
             "cancel": cancel,
             "spent": spent,
         });
@@ -755,11 +755,9 @@ impl RedisStore {
             .map(|(unit, _)| self.key(&tenant, &StateKey::SpendTenant(unit.clone())))
             .collect();
         let spec = json!({
-            "tenant": format!("{base}:b:t"),
-            "tenant_slots": format!("{base}:c:t"),
+            "h": self.keys.hash(&tenant),
+            "z": self.keys.leases(&tenant),
             "tenant_quota": format!("{base}:q:t"),
-            "subject_bucket": format!("{base}:b:s:"),
-            "subject_slots": format!("{base}:c:s:"),
             "subject_quota": format!("{base}:q:s:"),
             "index": format!("{base}:subjects"),
             "max_subjects": 100,
@@ -790,8 +788,8 @@ impl RedisStore {
             .unwrap_or_default();
         if self.cfg.cluster && plan.upstreams.iter().any(|u| u.1) {
             let spec = json!({
-                "tenant": "", "tenant_slots": "", "tenant_quota": "", "subject_bucket": "",
-                "subject_slots": "", "subject_quota": "", "index": "", "max_subjects": 0,
+                "h": "", "z": "", "tenant_quota": "", "subject_quota": "", "index": "",
+                "max_subjects": 0,
                 "pens": pens, "ups": ups, "forget": 120e6, "pl": spec::PROBE_LEN_US,
             });
             let route = format!("{}:route", self.keys.cross_base());

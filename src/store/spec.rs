@@ -33,8 +33,10 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
             continue;
         }
         map.push(i);
+        let (k, fp) = keys.layer(tenant, &l.key);
         layers.push(LayerSpec {
-            k: keys.key(tenant, &l.key),
+            k,
+            fp,
             t: l.t_us,
             b: l.burst,
             n: l.tokens,
@@ -83,11 +85,10 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         call.slots
             .iter()
             .map(|c| SlotsSpec {
-                k: keys.key(tenant, &c.key),
+                f: Keys::slots_field(&c.key),
                 cap: c.cap,
                 sub: c.subject,
-                x: tied_layer(call, &map, c.subject),
-                // The hint cursor of the scope, in the tenant's run-times hash.
+                // The hint cursor of the scope, in the tenant's hash.
                 cursor: if c.subject {
                     format!("cs:{}", call.subject)
                 } else {
@@ -131,18 +132,17 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         Vec::new()
     };
     let split = part != Part::All;
-    let lease = if own {
-        keys.key(tenant, &StateKey::Lease(call.lease))
-    } else {
-        String::new()
-    };
+    let member = lease_member(call.lease, &conc, &call.subject);
     let data = LeaseData {
         subject: &call.subject,
         tool: &call.tool,
         cost: call.cost,
-        keys: layers.iter().map(|l| l.k.as_str()).collect(),
+        keys: layers
+            .iter()
+            .map(|l| [l.k.as_str(), l.fp.as_str()])
+            .collect(),
         quotas: quota.iter().map(|q| q.k.as_str()).collect(),
-        zsets: conc.iter().map(|c| c.k.as_str()).collect(),
+        m: &member,
         spend: call
             .spend
             .iter()
@@ -174,9 +174,13 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
     };
     let data = serde_json::to_string(&data).unwrap_or_default();
     let spec = DecideSpec {
-        lease,
+        own,
+        h: keys.hash(tenant),
+        z: keys.leases(tenant),
         id: format!("{:016x}", call.lease),
+        m: &member,
         subject: &call.subject,
+        tool: &call.tool,
         max_wait: call.max_wait_us,
         ttl: call.ttl_us,
         shadow: call.shadow && own,
@@ -191,10 +195,6 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         quota,
         layers,
         spend: &spend,
-        rt: RunTimesSpec {
-            k: keys.key(tenant, &StateKey::RunTimes),
-            f: &call.tool,
-        },
         index: if own && call.index {
             keys.key(tenant, &StateKey::SubjectIndex)
         } else {
@@ -336,9 +336,16 @@ pub(super) struct DecideParts {
 // The script's `decide` spec, written straight from the call (the names are the script's).
 #[derive(Serialize)]
 struct DecideSpec<'a> {
-    lease: String,
+    /// Whether this part holds the tenant's own state (its lease, slots and quotas).
+    own: bool,
+    /// The tenant's hash and lease set.
+    h: String,
+    z: String,
     id: String,
+    /// The lease's member in the lease set.
+    m: &'a str,
     subject: &'a str,
+    tool: &'a str,
     cost: f64,
     max_wait: f64,
     ttl: f64,
@@ -355,7 +362,6 @@ struct DecideSpec<'a> {
     /// Spend units, each with its estimate and budgets (absent without `[spend.*]`).
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     spend: &'a [SpendSpec],
-    rt: RunTimesSpec<'a>,
     index: String,
 }
 
@@ -397,6 +403,8 @@ struct LeaseSpend<'a> {
 #[derive(Serialize)]
 struct LayerSpec {
     k: String,
+    /// The prefix of the layer's fields in its hash.
+    fp: String,
     #[serde(rename = "T")]
     t: f64,
     b: f64,
@@ -440,25 +448,26 @@ struct AdaptiveSpec {
 
 #[derive(Serialize)]
 struct SlotsSpec {
-    k: String,
+    /// The field of the tenant's hash that counts the scope's leases.
+    f: String,
     cap: u32,
     sub: bool,
-    /// The layer (1-based in the part, 0: none) whose bucket hash keeps this set's expiry cursor.
-    x: usize,
     cursor: String,
 }
 
-/// The layer of a part (`map`: the call's index of each) whose bucket hash keeps the expiry cursor
-/// of a concurrency set: the subject's bucket for the subject's set, the tenant's for the tenant's.
-/// 1-based; 0 when the part has no such layer (the script then pushes the set's expiry every time).
-fn tied_layer(call: &RemoteCall, map: &[usize], subject: bool) -> usize {
-    map.iter()
-        .position(|&i| match &call.layers[i].key {
-            StateKey::SubjectBucket(s) => subject && *s == call.subject,
-            StateKey::TenantBucket => !subject,
-            _ => false,
-        })
-        .map_or(0, |p| p + 1)
+/// A lease's member in its tenant's lease set: its id, the scopes whose counts it is in (`t`
+/// tenant, `s` subject, `b` both, `-` none) and the subject, so that a sweep of an ended lease
+/// knows which counts to take it out of without reading anything else.
+fn lease_member(lease: u64, conc: &[SlotsSpec], subject: &str) -> String {
+    let tenant = conc.iter().any(|c| !c.sub);
+    let subj = conc.iter().any(|c| c.sub);
+    let scopes = match (tenant, subj) {
+        (true, true) => 'b',
+        (true, false) => 't',
+        (false, true) => 's',
+        (false, false) => '-',
+    };
+    format!("{lease:016x}{scopes}{subject}")
 }
 
 #[derive(Serialize)]
@@ -468,22 +477,18 @@ struct QuotaSpec {
     sub: bool,
 }
 
-#[derive(Serialize)]
-struct RunTimesSpec<'a> {
-    k: String,
-    f: &'a str,
-}
-
 /// What a lease keeps for its release (the hash field `d`), stored as admitd writes it.
 #[derive(Serialize)]
 struct LeaseData<'a> {
     subject: &'a str,
     tool: &'a str,
     cost: f64,
-    /// The bucket layers' keys, in the order of the tokens the script records beside them.
-    keys: Vec<&'a str>,
+    /// The bucket layers' hashes and field prefixes, in the order of the tokens the script
+    /// records beside them.
+    keys: Vec<[&'a str; 2]>,
     quotas: Vec<&'a str>,
-    zsets: Vec<&'a str>,
+    /// The lease's member in its tenant's lease set.
+    m: &'a str,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     spend: Vec<LeaseSpend<'a>>,
     up: Vec<ReportSpec<'a>>,
@@ -616,12 +621,12 @@ pub(super) fn parse_decide(
 /// in microseconds.
 #[derive(Serialize)]
 pub(super) struct TaskSpec {
-    lease: String,
+    /// The tenant's hash (the lease is its field `l:ID`) and lease set.
+    h: String,
+    z: String,
     /// The lease's own key beside it (its TTL, a task's next poll).
     x: String,
     id: String,
-    /// Every lease key of the tenant starts with this (to tell a live task from a released one).
-    lp: String,
     tasks: String,
     cur: String,
     ttl: f64,
@@ -642,10 +647,10 @@ pub(super) fn task_spec(
 ) -> TaskSpec {
     let us = |ns: u64| ns as f64 / 1e3;
     TaskSpec {
-        lease: keys.key(tenant, &StateKey::Lease(lease)),
+        h: keys.hash(tenant),
+        z: keys.leases(tenant),
         x: keys.key(tenant, &StateKey::LeaseExtra(lease)),
         id: format!("{lease:016x}"),
-        lp: format!("{}:l:", keys.tenant_base(tenant)),
         tasks: keys.key(tenant, &StateKey::Tasks),
         cur: keys.key(tenant, &StateKey::TaskCursor),
         ttl: ttl_us.unwrap_or(-1.0),
