@@ -46,6 +46,11 @@
 --   probe    write the probe schedule of an upstream admitd computed, unless it moved meanwhile
 --   slice    take whole tokens of a cross-tenant bucket for one replica to spend (src/store/slices.rs)
 
+-- Library functions as locals: a global's lookup costs a hash lookup per call in Lua 5.1.
+local floor, max, min, ceil = math.floor, math.max, math.min, math.ceil
+local format, sub, match = string.format, string.sub, string.match
+local tonumber, tostring, ipairs, pairs, unpack = tonumber, tostring, ipairs, pairs, unpack
+
 local op = ARGV[1]
 local spec, extra -- the operation's spec and lease data, set for each operation of a batch
 local t = redis.call('TIME')
@@ -64,12 +69,14 @@ end
 -- Integral values (every instant and most durations: microseconds) print as integers, which costs
 -- a fraction of a 17-digit float; 2^53 bounds the doubles that are exact integers.
 local function fmt(x)
-  if x == math.floor(x) and x < 9e15 and x > -9e15 then return string.format('%d', x) end
-  return string.format('%.17g', x)
+  if x == floor(x) and x < 9e15 and x > -9e15 then return format('%d', x) end
+  return format('%.17g', x)
 end
 
+local NOW = fmt(now) -- formatting a number is a large part of the script's own work: once
+
 local function expire_at(key, at)
-  local ms = math.ceil((at - now) / 1000)
+  local ms = ceil((at - now) / 1000)
   if ms < 1 then ms = 1 end
   redis.call('PEXPIRE', key, ms)
 end
@@ -90,7 +97,7 @@ end
 -- Runs `cmd key item...` over `items` in chunks (Lua's unpack is bounded).
 local function chunked(cmd, key, items)
   for i = 1, #items, 1000 do
-    redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
+    redis.call(cmd, key, unpack(items, i, min(i + 999, #items)))
   end
 end
 
@@ -197,7 +204,7 @@ local function multiplier(key, forget, pl)
   local m, cut = num(h[1], 1), num(h[2], 0)
   if h[3] then
     local pa = num(h[3], 0)
-    if pl and pa > 0 and pa <= now and now < pa + pl then return math.max(num(h[4], m), m) end
+    if pl and pa > 0 and pa <= now and now < pa + pl then return max(num(h[4], m), m) end
     return m
   end
   if now - cut > forget then return 1 end
@@ -205,7 +212,7 @@ local function multiplier(key, forget, pl)
 end
 
 local function cursor_live(cursor, tat, tau, nb)
-  return cursor > math.max(tat, now) and math.max(cursor - tau, nb) + GRACE > now
+  return cursor > max(tat, now) and max(cursor - tau, nb) + GRACE > now
 end
 
 -- The slot promised to a refused call of `inc` that cannot come back before `nb`: the next one after
@@ -213,10 +220,10 @@ end
 -- is promised already (booked; nothing is promised then).
 local function promise_at(cursor, tat, nb, inc, tau)
   if not cursor_live(cursor, tat, tau, nb) then cursor = 0 end
-  local base = math.max(tat, now, nb)
-  local limit = base + inc + math.max(HORIZON, tau)
-  local nxt = math.max(cursor, base) + inc
-  local function at(slot) return math.max(slot - tau, nb, now) - now end
+  local base = max(tat, now, nb)
+  local limit = base + inc + max(HORIZON, tau)
+  local nxt = max(cursor, base) + inc
+  local function at(slot) return max(slot - tau, nb, now) - now end
   if nxt > limit then return cursor, at(limit), 1 end
   return nxt, at(nxt), 0
 end
@@ -225,7 +232,7 @@ end
 -- starting over at `base` past `base + window`.
 local function stagger(key, field, base, step, window)
   local last = num(redis.call('HGET', key, field), 0)
-  local nxt = math.max(last + step, base)
+  local nxt = max(last + step, base)
   if nxt > base + window then nxt = base end
   redis.call('HSET', key, field, fmt(nxt))
   expire_at(key, nxt + window + GRACE)
@@ -237,7 +244,7 @@ end
 local function stagger_cached(key, field, base, step, window)
   load(key, {field})
   local last = num(hget(key, field), 0)
-  local nxt = math.max(last + step, base)
+  local nxt = max(last + step, base)
   if nxt > base + window then nxt = base end
   hput(key, field, fmt(nxt))
   keep(key, nxt + window + GRACE)
@@ -245,10 +252,10 @@ local function stagger_cached(key, field, base, step, window)
 end
 
 local function whole_tokens(burst, T, tat)
-  local missing = math.max(tat - now, 0)
+  local missing = max(tat - now, 0)
   local tokens = burst - missing / T
   if tokens <= 0 then return 0 end
-  return math.floor(tokens + burst * 1e-12)
+  return floor(tokens + burst * 1e-12)
 end
 
 -- Reads every bucket layer of a call, with `more` fields of the tenant's hash `h` in the same
@@ -268,22 +275,24 @@ local function read_layers(layers, forget, h, more)
     local m = multiplier(l.m, l.f or forget, l.pl)
     local T = l.T / m
     local tau = l.b * T
-    local inc = math.floor(l.n * T)
+    local inc = floor(l.n * T)
     local tat, p = num(hget(l.k, l.fp .. 'tat'), 0), num(hget(l.k, l.fp .. (l.pf or 'p')), 0)
-    local short = math.max(math.max(tat, now) + inc - (now + tau), 0)
+    local short = max(max(tat, now) + inc - (now + tau), 0)
     out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m}
   end
   return out
 end
 
+-- Each layer's whole tokens left and microseconds until full, as numbers: Redis answers a Lua
+-- number as an integer without formatting it (every instant here is whole microseconds).
 local function layer_report(layers, st, taken)
   local r = {}
   for i, l in ipairs(layers) do
     local s = st[i]
     local tat = s.tat
-    if taken then tat = math.max(s.tat, now) + s.inc end
-    r[#r + 1] = tostring(whole_tokens(l.b, s.T, tat))
-    r[#r + 1] = fmt(math.max(tat - now, 0))
+    if taken then tat = max(s.tat, now) + s.inc end
+    r[#r + 1] = whole_tokens(l.b, s.T, tat)
+    r[#r + 1] = floor(max(tat - now, 0))
   end
   return r
 end
@@ -295,10 +304,13 @@ end
 -- whose end has passed is gone, whether or not a sweep has removed it yet.
 local function write_lease(day, hold_until, incs, flags, ends, member)
   local h = spec.h
-  hput(h, 'l:' .. spec.id, day .. '|' .. fmt(hold_until) .. '|' .. fmt(now) .. '|' .. fmt(ends) ..
-    '|' .. incs .. '|' .. flags .. '|' .. extra)
+  local e = fmt(ends)
+  local hu = NOW
+  if hold_until ~= now then hu = fmt(hold_until) end
+  hput(h, 'l:' .. spec.id, day .. '|' .. hu .. '|' .. NOW .. '|' .. e .. '|' .. incs .. '|' .. flags ..
+    '|' .. extra)
   keep(h, ends + GRACE)
-  redis.call('ZADD', spec.z, fmt(ends), member, '+inf', '~')
+  redis.call('ZADD', spec.z, e, member, '+inf', '~')
   load(h, {'z'})
   local z = num(hget(h, 'z'), 0)
   local nz = keep_until(spec.z, ends + GRACE, z)
@@ -311,7 +323,7 @@ local function read_lease(h, id)
   local v = hget(h, 'l:' .. id)
   if not v then return nil end
   local day, hu, started, ends, incs, flags, d =
-    string.match(v, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+    match(v, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
   if not d then return nil end
   ends = tonumber(ends)
   if not ends or ends <= now then return nil end
@@ -320,14 +332,14 @@ end
 
 -- The counts of a lease-set member (`ID` + scopes + subject) move by `by`.
 local function count(h, member, by)
-  local scopes, subject = string.sub(member, 17, 17), string.sub(member, 18)
+  local scopes, subject = sub(member, 17, 17), sub(member, 18)
   local fields = {}
   if scopes == 't' or scopes == 'b' then fields[#fields + 1] = 't|n' end
   if scopes == 's' or scopes == 'b' then fields[#fields + 1] = 's:' .. subject .. '|n' end
   if #fields == 0 then return end
   load(h, fields)
   for _, f in ipairs(fields) do
-    hput(h, f, fmt(math.max(num(hget(h, f), 0) + by, 0)))
+    hput(h, f, fmt(max(num(hget(h, f), 0) + by, 0)))
   end
 end
 
@@ -336,21 +348,21 @@ end
 local function sweep(h, z, limit)
   local gone
   if limit then
-    gone = redis.call('ZRANGEBYSCORE', z, '-inf', fmt(now), 'LIMIT', 0, limit)
+    gone = redis.call('ZRANGEBYSCORE', z, '-inf', NOW, 'LIMIT', 0, limit)
   else
-    gone = redis.call('ZRANGEBYSCORE', z, '-inf', fmt(now))
+    gone = redis.call('ZRANGEBYSCORE', z, '-inf', NOW)
   end
   if #gone == 0 then return end
   local fields = {}
   for _, m in ipairs(gone) do
-    local s = string.sub(m, 17, 17)
+    local s = sub(m, 17, 17)
     if s == 't' or s == 'b' then fields[#fields + 1] = 't|n' end
-    if s == 's' or s == 'b' then fields[#fields + 1] = 's:' .. string.sub(m, 18) .. '|n' end
+    if s == 's' or s == 'b' then fields[#fields + 1] = 's:' .. sub(m, 18) .. '|n' end
   end
   load(h, fields)
   for _, m in ipairs(gone) do
     count(h, m, -1)
-    hput(h, 'l:' .. string.sub(m, 1, 16), nil)
+    hput(h, 'l:' .. sub(m, 1, 16), nil)
   end
   chunked('ZREM', z, gone)
 end
@@ -358,22 +370,22 @@ end
 local function shed(scope, wait, booked, account_wide, layer, report)
   if spec.shadow and spec.own then
     -- Shadow mode admits the call without spending anything: its lease holds no slot and no token.
-    write_lease('0', 0, '[]', 'n', now + spec.ttl, string.sub(spec.m, 1, 16) .. '-' .. spec.subject)
+    write_lease('0', 0, '[]', 'n', now + spec.ttl, sub(spec.m, 1, 16) .. '-' .. spec.subject)
   end
-  local r = {'shed', scope, fmt(math.max(wait, 0)), tostring(booked), tostring(account_wide), tostring(layer)}
+  local r = {'shed', scope, fmt(max(wait, 0)), tostring(booked), tostring(account_wide), tostring(layer)}
   for _, v in ipairs(report) do r[#r + 1] = v end
   return r
 end
 -- Adaptive-throttle window: requests and accepts per slot, `r:<slot>` and `a:<slot>` fields.
 local SRE_SLOTS = 24
 local function sre_totals(key, window)
-  local len = math.max(math.floor(window / SRE_SLOTS), 1)
-  local slot = math.floor(now / len)
+  local len = max(floor(window / SRE_SLOTS), 1)
+  local slot = floor(now / len)
   local h = redis.call('HGETALL', key)
   local req, acc = 0, 0
   for i = 1, #h, 2 do
     local f = h[i]
-    local kind, s = string.match(f, '^([ra]):(%d+)$')
+    local kind, s = match(f, '^([ra]):(%d+)$')
     if kind then
       s = tonumber(s)
       if s <= slot - SRE_SLOTS then
@@ -389,8 +401,8 @@ local function sre_totals(key, window)
 end
 
 local function sre_record(key, window, requests, accepts)
-  local len = math.max(math.floor(window / SRE_SLOTS), 1)
-  local slot = math.floor(now / len)
+  local len = max(floor(window / SRE_SLOTS), 1)
+  local slot = floor(now / len)
   if requests > 0 then redis.call('HINCRBY', key, 'r:' .. slot, requests) end
   if accepts > 0 then redis.call('HINCRBY', key, 'a:' .. slot, accepts) end
 end
@@ -415,16 +427,16 @@ local function probe_answer(u, limited)
     else
       sv = sv * math.exp(-(now - st) / pr.tau)
     end
-    local f = {'sv', fmt(sv + u.q), 'st', fmt(now), 's0', fmt(s0)}
+    local f = {'sv', fmt(sv + u.q), 'st', NOW, 's0', fmt(s0)}
     if pa > 0 then
       if pa + pr.rp <= now and now < pa + pr.pl then
         f[#f + 1], f[#f + 2] = 'pu', fmt(pu + u.q)
       end
-      local hold = math.min(c * pr.h, 1)
+      local hold = min(c * pr.h, 1)
       if m < hold then
         m = m + u.ar
         if m >= 1 - 1e-9 then m = 1 end
-        f[#f + 1], f[#f + 2] = 'm', fmt(math.min(m, hold))
+        f[#f + 1], f[#f + 2] = 'm', fmt(min(m, hold))
       end
     end
     redis.call('HSET', u.s, unpack(f))
@@ -462,8 +474,8 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
     local m, cut = num(h[1], 1), num(h[2], 0)
     if now - cut > u.forget then m = 1 end
     if limited then
-      m = math.min(math.max(m * u.af, u.afl), 1)
-      redis.call('HSET', u.s, 'm', fmt(m), 'cut', fmt(now))
+      m = min(max(m * u.af, u.afl), 1)
+      redis.call('HSET', u.s, 'm', fmt(m), 'cut', NOW)
     elseif m < 1 then
       m = m + u.ar
       if m >= 1 - 1e-9 then m = 1 end
@@ -474,7 +486,7 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
     sre_record(u.s, u.aw, 1, limited and 0 or 1)
   end
   if u.af or (u.aw and u.aw > 0) then
-    expire_at(u.s, now + math.max(u.forget, u.aw or 0) + GRACE)
+    expire_at(u.s, now + max(u.forget, u.aw or 0) + GRACE)
   end
   return penalty, probe
 end
@@ -485,6 +497,7 @@ local function op_decide()
   if spec.own then
     h = spec.h
     more[1] = 'z'
+    if spec.index ~= '' then more[2] = 'ix' end
     for _, c in ipairs(spec.conc) do more[#more + 1] = c.f end
   end
   local st = read_layers(spec.layers, spec.forget, h, more)
@@ -502,10 +515,10 @@ local function op_decide()
     if pen.layer > 0 then
       local l, s = spec.layers[pen.layer], st[pen.layer]
       local cursor, w = promise_at(s.p, s.tat, untl, s.inc, s.tau)
-      write_bucket(l, math.max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
+      write_bucket(l, max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
       wait = w
     else
-      wait = stagger(pen.k, 'c', untl, pen.step, math.min(math.max(pen_wait, 1e6), HORIZON)) - now
+      wait = stagger(pen.k, 'c', untl, pen.step, min(max(pen_wait, 1e6), HORIZON)) - now
     end
     return shed('upstream_penalty', wait, 0, 1, 0, layer_report(spec.layers, st, false))
   end
@@ -513,7 +526,7 @@ local function op_decide()
   -- Adaptive throttling: refuse locally with the SRE probability over the upstream's window.
   for _, a in ipairs(spec.ad) do
     local req, acc = sre_totals(a.k, a.w)
-    local prob = math.max(0, (req - a.K * acc) / (req + 1))
+    local prob = max(0, (req - a.K * acc) / (req + 1))
     if req >= (a.min or 0) and spec.rand < prob then
       sre_record(a.k, a.w, 1, 0)
       expire_at(a.k, now + a.w + GRACE)
@@ -533,7 +546,7 @@ local function op_decide()
       c.n = num(hget(h, c.f), 0)
       if c.n >= c.cap then full = true end
     end
-    if full or tonumber(string.sub(spec.id, -2), 16) < 4 then
+    if full or tonumber(sub(spec.id, -2), 16) < 4 then
       if full then sweep(h, spec.z, nil) else sweep(h, spec.z, 256) end
       for _, c in ipairs(spec.conc) do c.n = num(hget(h, c.f), 0) end
     end
@@ -548,16 +561,16 @@ local function op_decide()
       local live = redis.call('ZRANGE', spec.z, 0, -1, 'WITHSCORES')
       for i = 1, #live - 1, 2 do
         local m = live[i]
-        local s = string.sub(m, 17, 17)
+        local s = sub(m, 17, 17)
         local counted
         if c.sub then
-          counted = (s == 's' or s == 'b') and string.sub(m, 18) == spec.subject
+          counted = (s == 's' or s == 'b') and sub(m, 18) == spec.subject
         else
           counted = s == 't' or s == 'b'
         end
         if counted then
           local started = tonumber(live[i + 1]) - spec.ttl
-          local free = math.max(started + run, now + spec.floor)
+          local free = max(started + run, now + spec.floor)
           if earliest == nil or free < earliest then earliest = free end
         end
       end
@@ -567,15 +580,15 @@ local function op_decide()
       end
       -- Refused callers are told one slot each, a run's share of a slot apart (the rate at which
       -- slots free), each a margin after the end it waits for: the release travels too.
-      local margin = math.min(math.max(run * 0.05, 20e3), 250e3)
-      local step = math.max((run + margin) / c.cap, 1e3)
+      local margin = min(max(run * 0.05, 20e3), 250e3)
+      local step = max((run + margin) / c.cap, 1e3)
       local wait = stagger_cached(h, c.cursor, earliest + margin, step, HORIZON) - now
       return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
     end
   end
 
   -- Daily quota per UTC day of the store's clock.
-  local day = math.floor(now / DAY)
+  local day = floor(now / DAY)
   for _, q in ipairs(spec.quota) do
     local used = num(redis.call('HGET', q.k, tostring(day)), 0)
     if used + spec.cost > q.q + 1e-9 then
@@ -619,9 +632,9 @@ local function op_decide()
       -- count too, so the hint covers the whole path.
       local cursor, wait, booked = promise_at(s.p, s.tat, 0, s.inc, s.tau)
       if booked == 0 then
-        write_bucket(l, math.max(cursor, s.tat) + GRACE, l.pf or 'p', fmt(cursor))
+        write_bucket(l, max(cursor, s.tat) + GRACE, l.pf or 'p', fmt(cursor))
       end
-      for j = i + 1, #spec.layers do wait = math.max(wait, st[j].short) end
+      for j = i + 1, #spec.layers do wait = max(wait, st[j].short) end
       local r = shed('layer', wait, booked, 0, i, layer_report(spec.layers, st, false))
       r[#r + 1] = fmt(s.m)
       return r
@@ -632,8 +645,8 @@ local function op_decide()
   local ends = now + hold + spec.ttl
   for i, l in ipairs(spec.layers) do
     local s = st[i]
-    local tat = math.max(s.tat, now) + s.inc
-    write_bucket(l, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
+    local tat = max(s.tat, now) + s.inc
+    write_bucket(l, max(tat, s.p) + GRACE, 'tat', fmt(tat))
   end
   for _, q in ipairs(spec.quota) do
     redis.call('HINCRBYFLOAT', q.k, tostring(day), fmt(spec.cost))
@@ -667,9 +680,20 @@ local function op_decide()
     write_lease(tostring(day), now + hold, '[' .. table.concat(incs, ',') .. ']', '', ends, spec.m)
   end
   if spec.index ~= '' then
-    -- Subjects not seen for a day leave the index, and their fields the tenant's hash once they
-    -- are at rest (a bucket full again, nothing promised, no lease counted).
-    local old = redis.call('ZRANGEBYSCORE', spec.index, '-inf', fmt(now - DAY), 'LIMIT', 0, 64)
+    -- The subject index: the subject's last sighting (a replica records it once a minute per
+    -- subject). Its expiry is pushed as a bucket's is, with its cursor `ix` in the tenant's hash;
+    -- on one write in 16, subjects not seen for a day leave it, and their fields the tenant's hash
+    -- once they are at rest (a bucket full again, nothing promised, no lease counted). The subject
+    -- is added first, so that the set never empties behind its cursor.
+    redis.call('ZADD', spec.index, NOW, spec.subject)
+    load(h, {'ix'})
+    local ix = num(hget(h, 'ix'), 0)
+    local nix = keep_until(spec.index, now + DAY, ix)
+    if nix ~= ix then hput(h, 'ix', fmt(nix)) end
+    local old = {}
+    if sub(spec.id, -1) == '0' then
+      old = redis.call('ZRANGEBYSCORE', spec.index, '-inf', fmt(now - DAY), 'LIMIT', 0, 64)
+    end
     if #old > 0 then
       local fields = {}
       for _, n in ipairs(old) do
@@ -692,8 +716,6 @@ local function op_decide()
       end
       if #done > 0 then chunked('ZREM', spec.index, done) end
     end
-    redis.call('ZADD', spec.index, fmt(now), spec.subject)
-    expire_at(spec.index, now + DAY)
   end
   local r = {'ok', fmt(hold)}
   for _, v in ipairs(report) do r[#r + 1] = v end
@@ -729,7 +751,7 @@ local function op_release()
     refund(incs)
     for _, q in ipairs(d.quotas) do
       local used = num(redis.call('HGET', q, l.day), 0)
-      redis.call('HSET', q, l.day, fmt(math.max(used - d.cost, 0)))
+      redis.call('HSET', q, l.day, fmt(max(used - d.cost, 0)))
     end
   end
   -- Cost: the actual cost units (`spec.cost`; a cache hit reports 0) replace the admission's. The
@@ -742,20 +764,20 @@ local function op_release()
     if diff ~= 0 then
       local share = math.abs(diff) / d.cost
       for _, kv in ipairs(incs) do
-        local inc = math.floor(kv[3] * share)
+        local inc = floor(kv[3] * share)
         if inc > 0 and diff > 0 then
           refund({{kv[1], kv[2], inc}})
         elseif inc > 0 then
           -- Charged whatever the bucket holds: the call has already run.
           local f = kv[2] .. 'tat'
           load(kv[1], {f})
-          local tat = math.max(num(hget(kv[1], f), 0), now) + inc
+          local tat = max(num(hget(kv[1], f), 0), now) + inc
           write_bucket({k = kv[1], fp = kv[2]}, tat + GRACE, 'tat', fmt(tat))
         end
       end
       for _, q in ipairs(d.quotas) do
         local used = num(redis.call('HGET', q, l.day), nil)
-        if used then redis.call('HSET', q, l.day, fmt(math.max(used - diff, 0))) end
+        if used then redis.call('HSET', q, l.day, fmt(max(used - diff, 0))) end
       end
     end
   end
@@ -820,7 +842,7 @@ local function op_release()
     name = ups[1].n or ''
     if ups[1].x then cross = cjson.encode(ups[1]) end
   end
-  return {'released', fmt(penalty), d.subject, d.tool, name, cross, l.hold_until, fmt(now), probe}
+  return {'released', fmt(penalty), d.subject, d.tool, name, cross, l.hold_until, NOW, probe}
 end
 
 local function op_upstream()
@@ -846,7 +868,7 @@ end
 local function op_snapshot()
   -- An empty hash name skips the tenant's part (a cluster reads cross-tenant upstreams in a second
   -- call).
-  local day = tostring(math.floor(now / DAY))
+  local day = tostring(floor(now / DAY))
   local h = spec.h
   local function used(k) if k == '' then return 0 end return num(redis.call('HGET', k, day), 0) end
   local out = {now = now, day_ends = (tonumber(day) + 1) * DAY, tenant_tat = 0, tenant_inflight = 0,
@@ -900,7 +922,7 @@ local function extend(ttl)
   local h = spec.h
   local l = read_lease(h, spec.id)
   if not l then return nil end
-  local ends = math.max(now, tonumber(l.hold_until) or now) + ttl
+  local ends = max(now, tonumber(l.hold_until) or now) + ttl
   local ok, data = pcall(cjson.decode, l.d)
   if ok and type(data) == 'table' and type(data.m) == 'string' then
     redis.call('ZADD', spec.z, 'XX', fmt(ends), data.m)
@@ -917,7 +939,7 @@ end
 
 -- The tenant's tasks in flight: those whose lease is still there (a released task's lease is gone).
 local function tasks_in_flight()
-  redis.call('ZREMRANGEBYSCORE', spec.tasks, '-inf', fmt(now))
+  redis.call('ZREMRANGEBYSCORE', spec.tasks, '-inf', NOW)
   local ids = redis.call('ZRANGE', spec.tasks, 0, -1)
   local fields = {}
   for i, id in ipairs(ids) do fields[i] = 'l:' .. id end
@@ -933,11 +955,11 @@ end
 -- The next poll of a task with `n` tasks in flight: never before now + max(min, n * spacing), never
 -- after now + max, no earlier than the cursor; whole milliseconds from now. Returns it and the ms.
 local function schedule(n)
-  local base = math.min(math.max(spec.spacing * n, spec.min), spec.max)
-  local at = math.min(math.max(now + base, num(redis.call('GET', spec.cur), 0)), now + spec.max)
-  local ms = math.ceil((at - now) / 1000)
+  local base = min(max(spec.spacing * n, spec.min), spec.max)
+  local at = min(max(now + base, num(redis.call('GET', spec.cur), 0)), now + spec.max)
+  local ms = ceil((at - now) / 1000)
   local due = now + ms * 1000
-  redis.call('SET', spec.cur, fmt(due + spec.spacing), 'PX', math.ceil((spec.max + spec.spacing) / 1000) + 1000)
+  redis.call('SET', spec.cur, fmt(due + spec.spacing), 'PX', ceil((spec.max + spec.spacing) / 1000) + 1000)
   return due, ms
 end
 
@@ -948,7 +970,7 @@ local function op_task()
   redis.call('ZADD', spec.tasks, fmt(ends), spec.id)
   outlive(spec.tasks, ends)
   local due, ms = schedule(n)
-  redis.call('SET', spec.x, fmt(due) .. '|' .. fmt(spec.ttl), 'PX', math.max(math.ceil((ends - now) / 1000), 1))
+  redis.call('SET', spec.x, fmt(due) .. '|' .. fmt(spec.ttl), 'PX', max(ceil((ends - now) / 1000), 1))
   return {'ok', fmt(ms), fmt(n)}
 end
 
@@ -957,7 +979,7 @@ local function op_poll()
   if not l then return {'unknown'} end
   local x = redis.call('GET', spec.x)
   if not x then return {'unknown'} end
-  local due, ttl = string.match(x, '^([^|]*)|(.*)$')
+  local due, ttl = match(x, '^([^|]*)|(.*)$')
   due = tonumber(due)
   if not due then return {'unknown'} end
   if now + spec.grace < due then return {'early', fmt(due - now)} end
@@ -970,12 +992,12 @@ end
 local function op_renew()
   local x = redis.call('GET', spec.x)
   local due, own = '', nil
-  if x then due, own = string.match(x, '^([^|]*)|(.*)$') end
+  if x then due, own = match(x, '^([^|]*)|(.*)$') end
   local ttl = spec.ttl
   if ttl < 0 then ttl = tonumber(own) or spec.dttl end
   local ends = extend(ttl)
   if not ends then return {'unknown'} end
-  redis.call('SET', spec.x, (due or '') .. '|' .. fmt(ttl), 'PX', math.max(math.ceil((ends - now) / 1000), 1))
+  redis.call('SET', spec.x, (due or '') .. '|' .. fmt(ttl), 'PX', max(ceil((ends - now) / 1000), 1))
   if due and due ~= '' then
     redis.call('ZADD', spec.tasks, 'XX', fmt(ends), spec.id)
     outlive(spec.tasks, ends)
