@@ -171,7 +171,8 @@ impl RedisStore {
         if us <= 0.0 {
             return;
         }
-        let spec = json!({"incs": [[key, us]]}).to_string();
+        // A cross-tenant bucket is a hash of its own: its fields carry no prefix.
+        let spec = json!({"incs": [[key, "", us]]}).to_string();
         let _ = self.invoke(key, "refund", spec, String::new()).await;
     }
 
