@@ -7,6 +7,7 @@
 //! touched: a bad figure is a 400 that changes nothing, and the lease can still be released.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use compact_str::CompactString;
 use serde::{Serialize, Serializer};
@@ -52,7 +53,7 @@ pub(super) fn call_spend(
     cfg: &Config,
     run: Option<&str>,
     spend: Option<&BTreeMap<String, f64>>,
-) -> Result<Option<Box<CallSpend>>, ApiError> {
+) -> Result<Option<Arc<CallSpend>>, ApiError> {
     if let Some(r) = run {
         name_field("run", r)?;
     }
@@ -68,7 +69,7 @@ pub(super) fn call_spend(
         return Ok(None);
     }
     out.run = run.map(CompactString::from);
-    Ok((out.run.is_some() || !out.estimates.is_empty()).then(|| Box::new(out)))
+    Ok((out.run.is_some() || !out.estimates.is_empty()).then(|| Arc::new(out)))
 }
 
 /// A release's `spent` and `cost`, checked.
@@ -116,6 +117,54 @@ struct UnitField {
     remaining: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     budget: Option<&'static str>,
+}
+
+impl SpendField<'_> {
+    /// Appends the field as JSON, byte for byte what its [`Serialize`] writes (the test
+    /// `admitted_body_matches_serde` holds the two together), without serde's generic path: keys
+    /// are written as they are (a unit's name is `[a-z][a-z0-9_]*`, checked again here) and numbers
+    /// through `zmij`, the formatter serde_json itself uses. What it bought is in
+    /// docs/BENCHMARKS.md ("Spend budgets").
+    pub(super) fn write_into(&self, out: &mut Vec<u8>) {
+        let plain = |n: &str| n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !self.0.iter().all(|v| plain(&v.unit)) {
+            let _ = serde_json::to_writer(out, self);
+            return;
+        }
+        let (mut float, mut whole) = (zmij::Buffer::new(), itoa::Buffer::new());
+        let mut number = |out: &mut Vec<u8>, x: f64| {
+            // Whole when converting to an integer and back changes nothing (`fract` is a libm call).
+            if x.abs() < 1e15 && (x as i64) as f64 == x && !(x == 0.0 && x.is_sign_negative()) {
+                // A whole figure (tokens, rows; budgets) as serde_json writes it (`500.0`), by
+                // integer formatting, which is cheaper than the shortest-float search.
+                out.extend_from_slice(whole.format(x as i64).as_bytes());
+                out.extend_from_slice(b".0");
+            } else if x.is_finite() {
+                out.extend_from_slice(float.format_finite(x).as_bytes());
+            } else {
+                out.extend_from_slice(b"null");
+            }
+        };
+        out.push(b'{');
+        for (i, v) in self.0.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.push(b'"');
+            out.extend_from_slice(v.unit.as_bytes());
+            out.extend_from_slice(b"\":{\"reserved\":");
+            number(out, clean(v.reserved));
+            if let Some((left, budget)) = v.remaining {
+                out.extend_from_slice(b",\"remaining\":");
+                number(out, clean(left));
+                out.extend_from_slice(b",\"budget\":\"");
+                out.extend_from_slice(budget.as_str().as_bytes());
+                out.push(b'"');
+            }
+            out.push(b'}');
+        }
+        out.push(b'}');
+    }
 }
 
 impl Serialize for SpendField<'_> {
@@ -169,6 +218,54 @@ mod tests {
         let mut usd = BTreeMap::new();
         usd.insert("usd".to_string(), 1.0);
         assert!(call_spend(&none, None, Some(&usd)).is_err());
+    }
+
+    #[test]
+    fn the_spend_field_written_by_hand_is_what_serde_writes() {
+        use crate::engine::spend::SpendBudget;
+        let figures = [
+            0.0,
+            -0.0,
+            1.0,
+            500.0,
+            -3.0,
+            0.05,
+            0.93,
+            -0.6,
+            1e-7,
+            123.456,
+            999_999_999_999.99,
+            99_999_999_999_500.0,
+            999_999_999_999_999.0,
+            1e15,
+            -1e15,
+            1e16,
+            1e300,
+            f64::MAX,
+            f64::NAN,
+            f64::INFINITY,
+        ];
+        for &x in &figures {
+            let v = [
+                SpendView {
+                    unit: "usd".into(),
+                    reserved: x,
+                    remaining: Some((x, SpendBudget::TenantDaily)),
+                },
+                SpendView {
+                    unit: "rows_2".into(),
+                    reserved: x,
+                    remaining: None,
+                },
+            ];
+            let mut by_hand = Vec::new();
+            SpendField(&v).write_into(&mut by_hand);
+            assert_eq!(
+                String::from_utf8(by_hand).unwrap(),
+                serde_json::to_string(&SpendField(&v)).unwrap(),
+                "{x}"
+            );
+        }
     }
 
     #[test]

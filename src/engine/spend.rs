@@ -99,15 +99,29 @@ pub struct Hold {
     reserved: Figures,
 }
 
+#[inline]
 fn get(f: &[f64], i: usize) -> f64 {
     f.get(i).copied().unwrap_or(0.0)
 }
 
+#[inline]
 fn add(f: &mut Figures, i: usize, x: f64) {
     if f.len() <= i {
         f.resize(i + 1, 0.0);
     }
     f[i] += x;
+}
+
+/// Adds `xs` to `f`, figure by figure: [`add`] for a whole call's figures, with one length check
+/// instead of one per unit.
+#[inline]
+fn add_all(f: &mut Figures, xs: &[f64]) {
+    if f.len() < xs.len() {
+        f.resize(xs.len(), 0.0);
+    }
+    for (a, x) in f.iter_mut().zip(xs) {
+        *a += x;
+    }
 }
 
 /// One tenant's spend.
@@ -134,29 +148,15 @@ impl SpendLedger {
         }
     }
 
-    /// The run's spend in unit `i`, as 0 once the run has been idle past the unit's `run_idle`.
-    fn run_spent(&self, b: Budgets<'_>, run: &str, i: usize, now: Nanos) -> f64 {
-        let Some(r) = self.runs.get(run) else {
-            return 0.0;
-        };
-        let idle = b
-            .units
-            .get(i)
-            .map_or(u64::MAX, |u| u.run_idle.as_nanos() as u64);
-        if now.saturating_sub(r.last) > idle {
-            0.0
-        } else {
-            get(&r.spent, i)
-        }
-    }
-
     /// What each budget of unit `i` has left now, in the order a refusal names them (a run first:
-    /// waiting does not help there, so that is what the model must hear).
+    /// waiting does not help there, so that is what the model must hear). `run` is the call's run
+    /// (`None`: it names none) as the ledger knows it (`Some(None)`: a new run), `subject` the
+    /// subject's figures today: each looked up once per call, not once per unit.
     fn left(
         &self,
         b: Budgets<'_>,
-        subject: &str,
-        run: Option<&str>,
+        subject: Option<&Figures>,
+        run: Option<Option<&Run>>,
         i: usize,
         now: Nanos,
     ) -> SmallVec<[(SpendBudget, f64, f64); 3]> {
@@ -165,14 +165,18 @@ impl SpendLedger {
             return out;
         };
         if let (Some(size), Some(run)) = (budgets.run, run) {
-            out.push((
-                SpendBudget::Run,
-                size,
-                size - self.run_spent(b, run, i, now),
-            ));
+            let idle = b
+                .units
+                .get(i)
+                .map_or(u64::MAX, |u| u.run_idle.as_nanos() as u64);
+            // A run idle past the unit's `run_idle` starts over.
+            let spent = run
+                .filter(|r| now.saturating_sub(r.last) <= idle)
+                .map_or(0.0, |r| get(&r.spent, i));
+            out.push((SpendBudget::Run, size, size - spent));
         }
         if let Some(size) = budgets.subject_daily {
-            let used = self.subjects.get(subject).map_or(0.0, |f| get(f, i));
+            let used = subject.map_or(0.0, |f| get(f, i));
             out.push((SpendBudget::SubjectDaily, size, size - used));
         }
         if let Some(size) = budgets.tenant_daily {
@@ -193,6 +197,16 @@ impl SpendLedger {
         now: Nanos,
     ) -> Result<SpendViews, SpendShort> {
         self.roll(day);
+        // Each map is looked up once, and only when some unit has a budget that reads it.
+        let run = run
+            .filter(|_| b.budgets.iter().any(|x| x.run.is_some()))
+            .map(|r| self.runs.get(r));
+        let subject = b
+            .budgets
+            .iter()
+            .any(|x| x.subject_daily.is_some())
+            .then(|| self.subjects.get(subject))
+            .flatten();
         let mut views = SmallVec::new();
         for (i, unit) in b.names.iter().enumerate() {
             let est = get(estimates, i);
@@ -223,7 +237,7 @@ impl SpendLedger {
     }
 
     /// Reserves a call's estimates for lease `lease` in its day, subject and run (after a
-    /// successful [`SpendLedger::check`] on the same state).
+    /// successful [`SpendLedger::check`] on the same state). One lookup per map.
     #[allow(clippy::too_many_arguments)] // each is one fact of the call; a struct would only rename them
     pub fn reserve(
         &mut self,
@@ -236,20 +250,17 @@ impl SpendLedger {
         units: &[SpendUnit],
     ) {
         self.roll(day);
-        for (i, &x) in estimates.iter().enumerate() {
-            add(&mut self.tenant, i, x);
-        }
-        let s = self.subjects.entry(subject.clone()).or_default();
-        for (i, &x) in estimates.iter().enumerate() {
-            add(s, i, x);
+        add_all(&mut self.tenant, estimates);
+        // Found by the name alone: the key is cloned only for a subject new today.
+        match self.subjects.get_mut(&**subject) {
+            Some(s) => add_all(s, estimates),
+            None => {
+                self.subjects.insert(subject.clone(), estimates.clone());
+            }
         }
         if let Some(run) = run {
-            self.touch_run(run, now, units);
-            if let Some(r) = self.runs.get_mut(run) {
-                for (i, &x) in estimates.iter().enumerate() {
-                    add(&mut r.spent, i, x);
-                }
-            }
+            let r = self.touch_run(run, now, units);
+            add_all(&mut r.spent, estimates);
         }
         self.holds.insert(
             lease,
@@ -264,8 +275,8 @@ impl SpendLedger {
 
     /// Marks a run used now, forgetting first what it spent in each unit whose `run_idle` has
     /// passed since its last call; a new run is added within [`MAX_RUNS`].
-    fn touch_run(&mut self, run: &Arc<str>, now: Nanos, units: &[SpendUnit]) {
-        if !self.runs.contains_key(run) && self.runs.len() >= MAX_RUNS {
+    fn touch_run(&mut self, run: &Arc<str>, now: Nanos, units: &[SpendUnit]) -> &mut Run {
+        if self.runs.len() >= MAX_RUNS && !self.runs.contains_key(run) {
             self.forget_idle_runs(now, units);
             if self.runs.len() >= MAX_RUNS {
                 let oldest = self
@@ -285,6 +296,7 @@ impl SpendLedger {
             }
         }
         r.last = now;
+        r
     }
 
     /// Forgets every run idle past the longest `run_idle` of any unit.
@@ -315,6 +327,13 @@ impl SpendLedger {
             return false;
         };
         self.roll(day);
+        if !cancelled && actual.is_empty() {
+            // The estimate stands (an expiry, or a release without `spent`): no budget changes, so
+            // no subject or run is looked up; only the metrics counter learns what was spent.
+            // (Estimates are never negative: the config and the API hold them to 0..1e15.)
+            add_all(&mut self.settled, &h.reserved);
+            return true;
+        }
         let n = h
             .reserved
             .len()
@@ -338,12 +357,11 @@ impl SpendLedger {
             }
         }
         if h.day == self.day {
-            for (i, &d) in diff.iter().enumerate() {
-                add(&mut self.tenant, i, d);
-            }
-            let s = self.subjects.entry(h.subject.clone()).or_default();
-            for (i, &d) in diff.iter().enumerate() {
-                add(s, i, d);
+            add_all(&mut self.tenant, &diff);
+            if let Some(s) = self.subjects.get_mut(&*h.subject) {
+                add_all(s, &diff);
+            } else {
+                self.subjects.insert(h.subject.clone(), diff.clone());
             }
         }
         if let Some(run) = &h.run {

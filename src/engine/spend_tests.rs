@@ -53,16 +53,14 @@ fn h(toml: &str) -> H {
 }
 
 fn in_run(mut r: AdmitRequest, run: &str) -> AdmitRequest {
-    r.spend
-        .get_or_insert_with(Default::default)
+    Arc::make_mut(r.spend.get_or_insert_with(Default::default))
         .run
         .replace(CompactString::from(run));
     r
 }
 
 fn estimate(mut r: AdmitRequest, unit: &str, x: f64) -> AdmitRequest {
-    r.spend
-        .get_or_insert_with(Default::default)
+    Arc::make_mut(r.spend.get_or_insert_with(Default::default))
         .estimates
         .push((CompactString::from(unit), x));
     r

@@ -100,8 +100,9 @@ pub struct AdmitRequest {
     /// behalf, see the API's admission): it may be held into promised tokens, since its own is
     /// among them, where any other call is held only behind every promise.
     pub returning: bool,
-    /// The call's run and spend estimates, when it names either (boxed: most calls do not).
-    pub spend: Option<Box<CallSpend>>,
+    /// The call's run and spend estimates, when it names either (behind a pointer: most calls do
+    /// not; an `Arc`, because the request is cloned for each ask of the tenant's actor).
+    pub spend: Option<Arc<CallSpend>>,
 }
 
 /// What a call says about its spend: the agent run it belongs to, and its own estimates by unit name.

@@ -922,7 +922,7 @@ mod tests {
             [spend.tokens]\nestimate = 100\nsubject_daily = 1000\n",
         );
         let mut req = call("bot", "search");
-        req.spend = Some(Box::default());
+        req.spend = Some(Default::default());
         let c = plan(&mut e, req);
         let unit = |name: &str| c.spend.iter().find(|s| &*s.unit == name).unwrap();
         // The tenant_daily budget keeps usd's day; tokens' is kept beside its budgets.
