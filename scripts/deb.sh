@@ -26,7 +26,8 @@ version=$(cargo metadata --no-deps --format-version 1 | python3 -c 'import json,
 arch=$(dpkg --print-architecture)
 [ "$deb" = "target/debian/admitd_${version}_${arch}.deb" ] || { echo "unexpected package name: $deb"; exit 1; }
 echo "built $deb"
-dpkg-deb --info "$deb" | grep -Eq '^ Depends: .*libc6.*passwd' || { echo "package: its dependencies miss libc6 or passwd" >&2; exit 1; }
+depends=$(dpkg-deb --field "$deb" Depends)
+[[ $depends == *libc6* && $depends == *passwd* ]] || { echo "package: its dependencies miss libc6 or passwd: $depends" >&2; exit 1; }
 
 scratch=$(mktemp -d)
 pid=""
