@@ -160,3 +160,36 @@ fn a_store_timeout_over_half_a_second_bounds_a_slow_answer_and_the_store_stays_u
     let r = d.get("/readyz");
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// A release the store cannot answer is a 503 naming the store, not 404 "no such lease": the lease
+/// may still hold its slots there, and a caller told "unknown" would never release it again.
+#[test]
+fn a_release_during_an_outage_is_a_503_naming_the_store() {
+    let mut redis = RedisServer::start();
+    let d = Daemon::start(&config(&redis, "fail_closed"));
+    let a = d.admit(call("acme"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    let lease = a.body["lease_id"].as_str().unwrap().to_string();
+
+    redis.stop();
+    let r = d.release(&lease);
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.body["error"], "store_unavailable", "{}", r.body);
+    assert!(
+        r.body["message"].as_str().unwrap().contains("redis"),
+        "{}",
+        r.body
+    );
+    // Once the store is known to be down, the same answer, at once.
+    assert!(readyz_becomes(&d, 503, NOTICE_WITHIN + Duration::from_secs(5)).is_some());
+    let r = d.release(&lease);
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.body["error"], "store_unavailable", "{}", r.body);
+
+    // A lease the store really does not hold is still a 404 once it answers again.
+    redis.restart();
+    assert!(readyz_becomes(&d, 200, Duration::from_secs(15)).is_some());
+    let r = d.release(&lease);
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(r.body["error"], "unknown_lease", "{}", r.body);
+}

@@ -32,7 +32,8 @@ pub use remote::StoreSnapshot;
 pub use tasks::{PollTask, Renew, StartTask, TaskError};
 pub use tenant::{
     Admit, AdmitReply, CancelLease, CancelWaiter, ConfirmHold, EndEdgeLease, ExportDurable,
-    Feedback, ImportDurable, Layers, Release, ReportCalls, Snapshot, TenantActor, Tick, TICK,
+    Feedback, ImportDurable, Layers, Release, ReleaseError, ReportCalls, Snapshot, TenantActor,
+    Tick, TICK,
 };
 
 use crate::clock::{Clock, Nanos};

@@ -18,12 +18,12 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::tenant::{truly_admitted, Admit, AdmitReply, TenantActor};
+use super::tenant::{truly_admitted, Admit, AdmitReply, ReleaseError, TenantActor};
 use crate::clock::{Nanos, NS_PER_MS};
 use crate::config::OnError;
 use crate::engine::{
     Decision, ReleaseInfo, Released, RemoteAnswer, RemoteCall, RemoteOutcome, TenantEngine,
-    TenantSnapshot, UnknownLease, Verdict,
+    TenantSnapshot, Verdict,
 };
 use crate::store::{RedisStore, Refund, StoreMode};
 use crate::telemetry::names;
@@ -246,7 +246,7 @@ impl TenantActor {
         lease: u64,
         info: ReleaseInfo,
         settle: crate::engine::Settlement,
-    ) -> ResponseActFuture<Self, Result<Released, UnknownLease>> {
+    ) -> ResponseActFuture<Self, Result<Released, ReleaseError>> {
         let (now, wall) = self.now();
         if let Ok(mut released) = self
             .engine
@@ -278,7 +278,11 @@ impl TenantActor {
         let fut = store.release_settled(tenant, lease, Some(info), Refund::IfHeld, Some(settle));
         Box::pin(fut.into_actor(self).map(move |out, act, _| {
             act.remote().in_store -= 1;
-            let r = out.ok().flatten().ok_or(UnknownLease)?;
+            // A store that did not answer is not a verdict on the lease: it may still hold its
+            // slots there, and the caller is told to try again rather than that it is gone.
+            let r = out
+                .map_err(|e| ReleaseError::StoreUnavailable(e.to_string()))?
+                .ok_or(ReleaseError::Unknown)?;
             let label = |s: &str| -> Arc<str> { Arc::from(s) };
             if let Some(run) = run {
                 act.remote().planner.note_run_time(&r.subject, &r.tool, run);

@@ -419,9 +419,25 @@ impl TenantActor {
     }
 }
 
+/// Why a release ended no lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseError {
+    /// No such lease: never issued, released already, or expired.
+    Unknown,
+    /// The shared store holding the lease did not answer (the message says how); the lease may
+    /// still hold its slots there, so the caller should release it again.
+    StoreUnavailable(String),
+}
+
+impl From<UnknownLease> for ReleaseError {
+    fn from(_: UnknownLease) -> Self {
+        ReleaseError::Unknown
+    }
+}
+
 /// End a lease.
 #[derive(Message, Clone)]
-#[rtype(result = "Result<crate::engine::Released, UnknownLease>")]
+#[rtype(result = "Result<crate::engine::Released, ReleaseError>")]
 pub struct Release {
     pub lease: u64,
     pub info: ReleaseInfo,
@@ -430,13 +446,15 @@ pub struct Release {
 }
 
 impl Handler<Release> for TenantActor {
-    type Result = ResponseActFuture<Self, Result<crate::engine::Released, UnknownLease>>;
+    type Result = ResponseActFuture<Self, Result<crate::engine::Released, ReleaseError>>;
 
     fn handle(&mut self, msg: Release, _: &mut Context<Self>) -> Self::Result {
         if self.remote.is_some() {
             return self.release_remote(msg.lease, msg.info, msg.settle);
         }
-        Box::pin(actix::fut::ready(self.release_here(msg)))
+        Box::pin(actix::fut::ready(
+            self.release_here(msg).map_err(ReleaseError::from),
+        ))
     }
 }
 

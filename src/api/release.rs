@@ -11,7 +11,7 @@ use warp::reply::Response;
 
 use super::fields::{status_field, RetryAfterValue};
 use super::{body, json_response, lease, ApiError, App};
-use crate::actors::Release;
+use crate::actors::{Release, ReleaseError};
 use crate::engine::{Outcome, ReleaseInfo};
 use crate::store::Store;
 use crate::telemetry::ReleaseEvent;
@@ -89,7 +89,14 @@ pub async fn release(app: &Arc<App>, bytes: bytes::Bytes) -> Result<Response, Ap
         Store::Redis(_) => Some(app.shared.ask(&tenant, msg).await?),
         Store::Memory => app.shared.ask_existing(&tenant, msg).await?,
     };
-    let released = released.ok_or_else(unknown)?.map_err(|_| unknown())?;
+    let released = released.ok_or_else(unknown)?.map_err(|e| match e {
+        ReleaseError::Unknown => unknown(),
+        ReleaseError::StoreUnavailable(why) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            format!("the shared store (redis) holding the lease did not answer ({why}); release it again"),
+        ),
+    })?;
     let counted = upstream_status.is_some()
         || outcome == Outcome::UpstreamRateLimited
         || duration_ms.is_some();
