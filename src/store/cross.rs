@@ -82,61 +82,28 @@ impl RedisStore {
         }
         let n = call.layers.len();
         let p = spec::decide_spec(&self.keys, tenant, call, Part::Tenant);
-        let answer = parse_decide(
+        let mut answer = parse_decide(
             self.invoke(&p.route, "decide", p.spec, p.data).await,
             &p.map,
             n,
         );
-        let fill = |layers: &mut Vec<(u64, f64)>| {
+        // The global layers' figures are the slices', whatever the tenant's shard answered.
+        if let Ok(RemoteAnswer::Admitted { layers, .. } | RemoteAnswer::Refused { layers, .. }) =
+            &mut answer
+        {
             for t in &taken {
                 if let Some(slot) = layers.get_mut(t.layer) {
                     *slot = (t.left, t.reset_us);
                 }
             }
-        };
-        Some(match answer {
-            Ok(RemoteAnswer::Admitted {
-                hold_us,
-                mut layers,
-                spend,
-            }) => {
-                fill(&mut layers);
-                Ok(RemoteAnswer::Admitted {
-                    hold_us,
-                    layers,
-                    spend,
-                })
+        }
+        if !matches!(answer, Ok(RemoteAnswer::Admitted { .. })) {
+            // Not admitted: what the slices gave goes back to them.
+            for t in &taken {
+                t.slice.unspend(t.tokens);
             }
-            other => {
-                // Not admitted: what the slices gave goes back to them.
-                for t in &taken {
-                    t.slice.unspend(t.tokens);
-                }
-                match other {
-                    Ok(RemoteAnswer::Refused {
-                        scope,
-                        wait_us,
-                        booked,
-                        account_wide,
-                        mut layers,
-                        multiplier,
-                        spend_left,
-                    }) => {
-                        fill(&mut layers);
-                        Ok(RemoteAnswer::Refused {
-                            scope,
-                            wait_us,
-                            booked,
-                            account_wide,
-                            layers,
-                            multiplier,
-                            spend_left,
-                        })
-                    }
-                    other => other,
-                }
-            }
-        })
+        }
+        Some(answer)
     }
 
     /// Takes the next slice of the bucket `key` (`size` whole tokens at most) on the store's

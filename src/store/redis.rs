@@ -536,26 +536,11 @@ impl RedisStore {
                     .clone()
                     .release(tenant.clone(), call.lease, None, Refund::Always)
                     .await;
-                match other {
-                    Ok(RemoteAnswer::Refused {
-                        scope,
-                        wait_us,
-                        booked,
-                        account_wide,
-                        layers,
-                        multiplier,
-                        spend_left,
-                    }) => Ok(RemoteAnswer::Refused {
-                        scope,
-                        wait_us,
-                        booked,
-                        account_wide,
-                        layers: merge(layers_a, layers),
-                        multiplier,
-                        spend_left,
-                    }),
-                    other => other,
+                let mut other = other;
+                if let Ok(RemoteAnswer::Refused { layers, .. }) = &mut other {
+                    *layers = merge(layers_a, std::mem::take(layers));
                 }
+                other
             }
         }
     }
