@@ -298,13 +298,22 @@ fn propose(shapes: &[Shape], what: &str, concurrency: bool) -> Option<Proposed> 
             Some(c.min(f64::from(u32::MAX)) as u32)
         })
         .flatten();
+    let proposed_per_s = parsed_rate(&rate_text(rate_per_s)).unwrap_or(rate_per_s);
     Some(Proposed {
         rate: rate_text(rate_per_s),
-        rate_per_s: parsed_rate(&rate_text(rate_per_s)).unwrap_or(rate_per_s),
-        burst: burst.min(1e15) as u64,
+        rate_per_s: proposed_per_s,
+        burst: burst_within(burst, proposed_per_s),
         concurrency,
         from,
     })
+}
+
+/// `burst` as a proposal may hold it: at most 1e15, and at most a year of refill at `per_s`, far
+/// inside the 50 years a config accepts even for an upstream throttled to an `aimd_floor` of 0.02
+/// (calls of absurd cost in a slow recording must not propose a bucket that does not validate).
+pub fn burst_within(burst: f64, per_s: f64) -> u64 {
+    let year = per_s * 365.25 * 86_400.0;
+    burst.min(1e15).min(year.floor()).max(1.0) as u64
 }
 
 fn parsed_rate(text: &str) -> Option<f64> {

@@ -1,6 +1,6 @@
 //! The recording, the method and the replay on a fake clock.
 
-use super::method::{percentile, rate_text, run, shape};
+use super::method::{burst_within, percentile, rate_text, run, shape};
 use super::recording::{Budget, Period, Recording, Seen, OTHER};
 use super::{advise, render};
 use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
@@ -321,4 +321,13 @@ fn a_rate_past_what_a_config_holds_is_proposed_at_its_largest() {
         assert_eq!(text, "1000000000000000/s");
         assert!(crate::config::parse_rate(&text).is_ok(), "{text}");
     }
+}
+
+#[test]
+fn a_burst_past_a_year_of_refill_is_proposed_at_a_year() {
+    // Found by the Schemathesis search: a burst of 1e15 at 7.2/s does not validate (4 million
+    // years to refill), and the advice route answered 500 for it.
+    assert_eq!(burst_within(1e15, 7.216667), 227_740_690);
+    assert_eq!(burst_within(8.0, 7.216667), 8);
+    assert_eq!(burst_within(1e18, 1e15), 1_000_000_000_000_000);
 }
