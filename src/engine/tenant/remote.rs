@@ -835,15 +835,7 @@ impl RemoteSnapshotPlan {
                 .iter()
                 .enumerate()
                 .map(|(i, (unit, b))| {
-                    let spent = s.spend.get(i).copied().unwrap_or(0.0);
-                    SpendSnapshot {
-                        unit: unit.to_string(),
-                        day_spent: spent,
-                        tenant_daily: b.tenant_daily,
-                        day_remaining: b.tenant_daily.map(|d| d - spent),
-                        subject_daily: b.subject_daily,
-                        run: b.run,
-                    }
+                    SpendSnapshot::of_day(unit, s.spend.get(i).copied().unwrap_or(0.0), b)
                 })
                 .collect(),
             spend_runs: None,

@@ -61,6 +61,20 @@ pub struct SpendSnapshot {
     pub run: Option<f64>,
 }
 
+impl SpendSnapshot {
+    /// A unit's day as the tenant's snapshot shows it: `spent` today against its `budgets`.
+    pub fn of_day(unit: &str, spent: f64, budgets: &crate::config::SpendBudgets) -> Self {
+        SpendSnapshot {
+            unit: unit.to_string(),
+            day_spent: spent,
+            tenant_daily: budgets.tenant_daily,
+            day_remaining: budgets.tenant_daily.map(|d| d - spent),
+            subject_daily: budgets.subject_daily,
+            run: budgets.run,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct BucketSnapshot {
     pub layer: &'static str,
@@ -344,14 +358,7 @@ impl TenantEngine {
                 .spend_today(wall_ms)
                 .into_iter()
                 .zip(&p.spend)
-                .map(|((unit, spent, _), b)| SpendSnapshot {
-                    unit: unit.to_string(),
-                    day_spent: spent,
-                    tenant_daily: b.tenant_daily,
-                    day_remaining: b.tenant_daily.map(|d| d - spent),
-                    subject_daily: b.subject_daily,
-                    run: b.run,
-                })
+                .map(|((unit, spent, _), b)| SpendSnapshot::of_day(&unit, spent, b))
                 .collect(),
             spend_runs: (!p.spend.is_empty()).then(|| self.spend.live_runs()),
         }
