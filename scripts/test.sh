@@ -28,13 +28,19 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
-  # The Debian package starts a Prometheus service of its own; the tests run their own instances.
-  $SUDO systemctl stop prometheus 2>/dev/null || $SUDO pkill -x prometheus 2>/dev/null || true
-  # Likewise nginx: the test runs its own, on a free loopback port.
-  $SUDO systemctl stop nginx 2>/dev/null || true
-  # And Redis: the tests start their own servers and clusters on free loopback ports.
-  # Without systemd, the init script stops the one it started (by its pid file), not the tests' own.
-  $SUDO systemctl stop redis-server 2>/dev/null || $SUDO service redis-server stop 2>/dev/null || true
+  # A package installed just now may start a service of its own (Debian's prometheus, nginx and
+  # redis-server do); the tests run their own instances on free loopback ports, so stop only the
+  # services of the packages this run installed: a service that was already running before is
+  # the machine's, and is left alone.
+  installed_now=" ${need_apt[*]} "
+  stop_new_service() { # package service
+    case "$installed_now" in
+      *" $1 "*) $SUDO systemctl stop "$2" 2>/dev/null || $SUDO service "$2" stop 2>/dev/null || true ;;
+    esac
+  }
+  stop_new_service prometheus prometheus
+  stop_new_service nginx-light nginx
+  stop_new_service redis-server redis-server
 fi
 
 echo "== layers and file sizes (scripts/check_layers.sh)"
