@@ -23,8 +23,12 @@ use std::collections::VecDeque;
 use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::Aimd;
 
-/// Slots in the adaptive-throttling window.
-const SRE_SLOTS: u64 = 24;
+/// Slots in the adaptive-throttling window (the shared-store script gets it from here).
+pub const SRE_SLOTS: u64 = 24;
+
+/// How close to the configured rate a recovering AIMD multiplier snaps to it: 0.2 + 8 × 0.1 is
+/// 0.9999999999999999 in floating point (the shared-store script gets it from here).
+pub const AIMD_SNAP: f64 = 1e-9;
 
 /// Requests and accepts over a sliding window.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -131,8 +135,7 @@ pub fn aimd_cut(m: f64, a: &Aimd) -> f64 {
 /// The AIMD multiplier after a successful call.
 pub fn aimd_recover(m: f64, a: &Aimd) -> f64 {
     let next = m + a.recover;
-    // Snap the last step: 0.2 + 8 × 0.1 is 0.9999999999999999 in floating point.
-    if next >= 1.0 - 1e-9 {
+    if next >= 1.0 - AIMD_SNAP {
         1.0
     } else {
         next

@@ -56,8 +56,19 @@ local spec, extra -- the operation's spec and lease data, set for each operation
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
-local HORIZON = 60e6       -- how far ahead bucket promises may run
-local GRACE = 1e6          -- how long after its slot a promise still holds
+-- The engine's rules, written in by admitd from its own constants when it builds the script it loads
+-- (src/store/script.rs, which refuses a placeholder it has no value for; one left unwritten would
+-- not be Lua either). Durations in microseconds.
+local HORIZON = ${PROMISE_HORIZON}        -- how far ahead bucket promises may run
+local GRACE = ${PROMISE_GRACE}            -- how long after its slot a promise still holds
+local STAGGER_MIN_WINDOW = ${STAGGER_MIN_WINDOW} -- the least an upstream's hints are spread over
+local SRE_SLOTS = ${SRE_SLOTS}            -- slots of an adaptive-throttle window
+local MARGIN_SHARE = ${MARGIN_SHARE}      -- a slot hint's margin: the run over this,
+local MARGIN_MIN, MARGIN_MAX = ${MARGIN_MIN}, ${MARGIN_MAX} -- within these
+local DEFAULT_RUN = ${DEFAULT_RUN}        -- the run of a tool nothing was learned about
+local AIMD_SNAP = ${AIMD_SNAP}            -- a recovering multiplier this close to 1 is 1
+local METER_RESTART = ${METER_RESTART}    -- a served meter quiet this many taus starts over
+-- The store's own housekeeping: the calendar, and how long counters are kept.
 local DAY = 86400e6
 local KEEP = 2 * DAY       -- quota counters outlive their day by one
 
@@ -81,7 +92,7 @@ local function expire_at(key, at)
   redis.call('PEXPIRE', key, ms)
 end
 
-local SLACK = 10e6 -- how far past what it must outlive a key's expiry is pushed
+local SLACK = 10e6 -- how far past what it must outlive a key's expiry is pushed (housekeeping)
 
 -- Makes `key` (which exists) live until at least `at`, given that its expiry was last pushed to
 -- `pushed`; returns the instant it lives until now.
@@ -377,7 +388,6 @@ local function shed(scope, wait, booked, account_wide, layer, report)
   return r
 end
 -- Adaptive-throttle window: requests and accepts per slot, `r:<slot>` and `a:<slot>` fields.
-local SRE_SLOTS = 24
 local function sre_totals(key, window)
   local len = max(floor(window / SRE_SLOTS), 1)
   local slot = floor(now / len)
@@ -422,7 +432,7 @@ local function probe_answer(u, limited)
   local m, c, pa, pu = num(h[1], 1), num(h[2], 1), num(h[3], 0), num(h[4], 0)
   local sv, st, s0 = num(h[5], 0), num(h[6], 0), num(h[7], 0)
   if not limited then
-    if now - st > 5 * pr.tau then
+    if now - st > METER_RESTART * pr.tau then
       sv, s0 = 0, now
     else
       sv = sv * math.exp(-(now - st) / pr.tau)
@@ -435,7 +445,7 @@ local function probe_answer(u, limited)
       local hold = min(c * pr.h, 1)
       if m < hold then
         m = m + u.ar
-        if m >= 1 - 1e-9 then m = 1 end
+        if m >= 1 - AIMD_SNAP then m = 1 end
         f[#f + 1], f[#f + 2] = 'm', fmt(min(m, hold))
       end
     end
@@ -478,7 +488,7 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
       redis.call('HSET', u.s, 'm', fmt(m), 'cut', NOW)
     elseif m < 1 then
       m = m + u.ar
-      if m >= 1 - 1e-9 then m = 1 end
+      if m >= 1 - AIMD_SNAP then m = 1 end
       redis.call('HSET', u.s, 'm', fmt(m))
     end
   end
@@ -518,7 +528,7 @@ local function op_decide()
       write_bucket(l, max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
       wait = w
     else
-      wait = stagger(pen.k, 'c', untl, pen.step, min(max(pen_wait, 1e6), HORIZON)) - now
+      wait = stagger(pen.k, 'c', untl, pen.step, min(max(pen_wait, STAGGER_MIN_WINDOW), HORIZON)) - now
     end
     return shed('upstream_penalty', wait, 0, 1, 0, layer_report(spec.layers, st, false))
   end
@@ -530,7 +540,7 @@ local function op_decide()
     if req >= (a.min or 0) and spec.rand < prob then
       sre_record(a.k, a.w, 1, 0)
       expire_at(a.k, now + a.w + GRACE)
-      local wait = stagger(a.k, 'c', now + a.step, a.step, 1e6) - now
+      local wait = stagger(a.k, 'c', now + a.step, a.step, STAGGER_MIN_WINDOW) - now
       return shed('adaptive', wait, 0, 1, 0, layer_report(spec.layers, st, false))
     end
   end
@@ -556,7 +566,7 @@ local function op_decide()
       -- The slot expected to free first: each lease's start plus how long this tool's calls run.
       local rf = 'rt:' .. spec.tool
       load(h, {rf})
-      local run = num(hget(h, rf), 1e6)
+      local run = num(hget(h, rf), DEFAULT_RUN)
       local earliest = nil
       local live = redis.call('ZRANGE', spec.z, 0, -1, 'WITHSCORES')
       for i = 1, #live - 1, 2 do
@@ -580,7 +590,7 @@ local function op_decide()
       end
       -- Refused callers are told one slot each, a run's share of a slot apart (the rate at which
       -- slots free), each a margin after the end it waits for: the release travels too.
-      local margin = min(max(run * 0.05, 20e3), 250e3)
+      local margin = min(max(run / MARGIN_SHARE, MARGIN_MIN), MARGIN_MAX)
       local step = max((run + margin) / c.cap, 1e3)
       local wait = stagger_cached(h, c.cursor, earliest + margin, step, HORIZON) - now
       return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))

@@ -20,6 +20,7 @@ mod error;
 pub mod keys;
 mod lane;
 pub mod redis;
+pub mod script;
 pub mod slices;
 mod spec;
 mod tasks;

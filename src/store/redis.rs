@@ -55,8 +55,6 @@ const FAILURES_TO_DOWN: u32 = 3;
 /// The penalty of a 429 reported without a Retry-After.
 const DEFAULT_PENALTY_US: f64 = 1e6;
 
-const SCRIPT: &str = include_str!("admitd.lua");
-
 enum Conns {
     /// One server: the client each worker's lane connects with (`generation` counts the store's
     /// connections, so a lane made before a reconnection is made again), and `pool_size`
@@ -119,6 +117,9 @@ impl RedisStore {
     /// Starts the store's thread and connects. A Redis that is not reachable yet is not an error:
     /// the store starts down (admissions follow `on_error`) and connects when Redis answers.
     pub async fn start(cfg: &StoreConfig, telemetry: Telemetry) -> Result<Arc<Self>, String> {
+        // The script with the engine's constants written in (an error only if it names one the
+        // engine has no value for: see `script`).
+        let script = super::script::text()?;
         if cfg.urls().iter().any(|u| u.starts_with("rediss://")) {
             // TLS (`rediss://`) verifies the server against the system's roots (or the file named by
             // SSL_CERT_FILE). Installing fails only when a provider is installed already: fine.
@@ -152,9 +153,9 @@ impl RedisStore {
         let store = Arc::new(RedisStore {
             keys: Keys::new(&cfg.key_prefix),
             cfg: cfg.clone(),
-            script: redis::Script::new(SCRIPT),
+            script: redis::Script::new(script),
             lanes: Arc::new(Lanes::new(
-                redis::Script::new(SCRIPT),
+                redis::Script::new(script),
                 cfg.pool_size,
                 cfg.timeout,
             )),

@@ -72,7 +72,8 @@ use smallvec::SmallVec;
 
 use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
 use super::bucket::{
-    stagger, stagger_atomic, AtomicBucket, Bucket, Gcra, Promise, Take, PROMISE_HORIZON,
+    stagger, stagger_atomic, stagger_window, AtomicBucket, Bucket, Gcra, Promise, Take,
+    PROMISE_HORIZON,
 };
 use super::leases::{Expiries, Leases};
 use super::refusal::{self, RefusalContext};
