@@ -262,6 +262,18 @@ local function stagger_cached(key, field, base, step, window)
   return nxt
 end
 
+-- The window the hints of calls an upstream refuses for `wait` are staggered over (the engine's
+-- `bucket::stagger_window`).
+local function stagger_window(wait)
+  return min(max(wait, STAGGER_MIN_WINDOW), HORIZON)
+end
+
+-- How long after a concurrency slot's expected end its promised caller is told to come (the
+-- engine's `slots::margin`): the end is an estimate, and the release travels too.
+local function slot_margin(run)
+  return min(max(run / MARGIN_SHARE, MARGIN_MIN), MARGIN_MAX)
+end
+
 local function whole_tokens(burst, T, tat)
   local missing = max(tat - now, 0)
   local tokens = burst - missing / T
@@ -417,6 +429,13 @@ local function sre_record(key, window, requests, accepts)
   if accepts > 0 then redis.call('HINCRBY', key, 'a:' .. slot, accepts) end
 end
 
+-- The adaptive throttle's refusal probability over a window of `req` requests and `acc` accepts
+-- (the engine's `SreWindow::reject_probability`): none below `least` requests.
+local function reject_probability(req, acc, k, least)
+  if req < least then return 0 end
+  return max(0, (req - k * acc) / (req + 1))
+end
+
 -- The fields of a probe schedule (src/engine/probe.rs) as a state hash holds them, and its version.
 local PROBE_FIELDS = {'m', 'c', 'iv', 'sp', 'pa', 'pt', 'ca', 'pu', 'sv', 'st', 's0', 'v'}
 
@@ -528,7 +547,7 @@ local function op_decide()
       write_bucket(l, max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
       wait = w
     else
-      wait = stagger(pen.k, 'c', untl, pen.step, min(max(pen_wait, STAGGER_MIN_WINDOW), HORIZON)) - now
+      wait = stagger(pen.k, 'c', untl, pen.step, stagger_window(pen_wait)) - now
     end
     return shed('upstream_penalty', wait, 0, 1, 0, layer_report(spec.layers, st, false))
   end
@@ -536,8 +555,8 @@ local function op_decide()
   -- Adaptive throttling: refuse locally with the SRE probability over the upstream's window.
   for _, a in ipairs(spec.ad) do
     local req, acc = sre_totals(a.k, a.w)
-    local prob = max(0, (req - a.K * acc) / (req + 1))
-    if req >= (a.min or 0) and spec.rand < prob then
+    local prob = reject_probability(req, acc, a.K, a.min or 0)
+    if spec.rand < prob then
       sre_record(a.k, a.w, 1, 0)
       expire_at(a.k, now + a.w + GRACE)
       local wait = stagger(a.k, 'c', now + a.step, a.step, STAGGER_MIN_WINDOW) - now
@@ -590,7 +609,7 @@ local function op_decide()
       end
       -- Refused callers are told one slot each, a run's share of a slot apart (the rate at which
       -- slots free), each a margin after the end it waits for: the release travels too.
-      local margin = min(max(run / MARGIN_SHARE, MARGIN_MIN), MARGIN_MAX)
+      local margin = slot_margin(run)
       local step = max((run + margin) / c.cap, 1e3)
       local wait = stagger_cached(h, c.cursor, earliest + margin, step, HORIZON) - now
       return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
