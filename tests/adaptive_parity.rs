@@ -4,7 +4,7 @@
 //! written in). These tests feed both the same answers of an upstream at the same instants (accepts,
 //! 429s, calls refused by the throttle itself, quiet spells that rotate slots out of the window)
 //! and hold them to the same requests and accepts in the window, and the same probability of
-//! refusing the next call.
+//! refusing the next call; and a refused call's least wait (`adaptive_wait` in both) alike.
 //!
 //! The script's functions are run as the store loads them, on a clock the test moves, by a real
 //! Redis. Both count slots of a 24th of the window, the engine in nanoseconds and the store in whole
@@ -13,7 +13,9 @@
 
 mod common;
 
-use admitd::engine::adaptive::{SreWindow, SRE_SLOTS};
+use admitd::engine::adaptive::{
+    adaptive_wait, SreWindow, ADAPTIVE_WAIT_MAX, ADAPTIVE_WAIT_MIN, SRE_SLOTS,
+};
 use common::redis::RedisServer;
 use common::script::through;
 
@@ -168,4 +170,48 @@ fn a_short_window_rotates_its_slots_alike() {
 #[test]
 fn a_window_of_24_ms_has_slots_of_a_millisecond_in_both() {
     same_window(3, 24_000 * US, 2.0, 5);
+}
+
+#[test]
+fn a_refused_call_waits_alike_however_much_the_upstream_rejects() {
+    let r = RedisServer::start();
+    let src = through(
+        "adaptive_wait",
+        "local out = {}\n\
+         for i = 2, #ARGV do out[#out + 1] = string.format('%d', adaptive_wait(tonumber(ARGV[i]))) end\n\
+         return out",
+    );
+    // Below the least wait, inside, at and past the most, and an upstream that accepts nothing.
+    let ps = [
+        0.0,
+        0.1,
+        1.0 / 3.0,
+        0.5,
+        0.75,
+        0.9,
+        0.9375,
+        0.95,
+        0.97,
+        0.999,
+        1.0,
+    ];
+    let args: Vec<String> = std::iter::once("0".to_string())
+        .chain(ps.iter().map(|p| format!("{p:?}")))
+        .collect();
+    let mut cmd = vec!["EVAL", &src, "0"];
+    cmd.extend(args.iter().map(String::as_str));
+    let out = r.cli(&cmd);
+    let lua: Vec<u64> = out.lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(lua.len(), ps.len(), "{out}");
+    let mut inside = false;
+    for (p, lua) in ps.iter().zip(lua) {
+        let engine = adaptive_wait(*p) / US;
+        // The engine truncates nanoseconds, the script microseconds: at most a microsecond apart.
+        assert!(
+            engine.abs_diff(lua) <= 1,
+            "p {p}: engine {engine} us, script {lua} us"
+        );
+        inside |= lua > ADAPTIVE_WAIT_MIN / US && lua < ADAPTIVE_WAIT_MAX / US;
+    }
+    assert!(inside, "a case between the bounds");
 }

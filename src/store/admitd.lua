@@ -67,6 +67,9 @@ local MARGIN_SHARE = ${MARGIN_SHARE}      -- a slot hint's margin: the run over 
 local MARGIN_MIN, MARGIN_MAX = ${MARGIN_MIN}, ${MARGIN_MAX} -- within these
 local DEFAULT_RUN = ${DEFAULT_RUN}        -- the run of a tool nothing was learned about
 local AIMD_SNAP = ${AIMD_SNAP}            -- a recovering multiplier this close to 1 is 1
+-- an adaptive refusal's wait: seconds per odds of a refusal (1 - p at least the least accept), within
+local ADAPTIVE_WAIT_PER_ODDS, ADAPTIVE_LEAST_ACCEPT = ${ADAPTIVE_WAIT_PER_ODDS}, ${ADAPTIVE_LEAST_ACCEPT}
+local ADAPTIVE_WAIT_MIN, ADAPTIVE_WAIT_MAX = ${ADAPTIVE_WAIT_MIN}, ${ADAPTIVE_WAIT_MAX}
 local METER_RESTART = ${METER_RESTART}    -- a served meter quiet this many taus starts over
 -- The store's own housekeeping: the calendar, and how long counters are kept.
 local DAY = 86400e6
@@ -436,6 +439,14 @@ local function reject_probability(req, acc, k, least)
   return max(0, (req - k * acc) / (req + 1))
 end
 
+-- How long a call the throttle refused with probability `p` waits at least, before the hints of
+-- calls refused together are staggered (the engine's `adaptive::adaptive_wait`): the more the
+-- upstream rejects, the longer it takes to recover.
+local function adaptive_wait(p)
+  local secs = ADAPTIVE_WAIT_PER_ODDS * p / max(1 - p, ADAPTIVE_LEAST_ACCEPT)
+  return floor(min(max(secs * 1e6, ADAPTIVE_WAIT_MIN), ADAPTIVE_WAIT_MAX))
+end
+
 -- The fields of a probe schedule (src/engine/probe.rs) as a state hash holds them, and its version.
 local PROBE_FIELDS = {'m', 'c', 'iv', 'sp', 'pa', 'pt', 'ca', 'pu', 'sv', 'st', 's0', 'v'}
 
@@ -559,7 +570,8 @@ local function op_decide()
     if spec.rand < prob then
       sre_record(a.k, a.w, 1, 0)
       expire_at(a.k, now + a.w + GRACE)
-      local wait = stagger(a.k, 'c', now + a.step, a.step, STAGGER_MIN_WINDOW) - now
+      local least = adaptive_wait(prob)
+      local wait = stagger(a.k, 'c', now + least, a.step, stagger_window(least)) - now
       return shed('adaptive', wait, 0, 1, 0, layer_report(spec.layers, st, false))
     end
   end

@@ -2,7 +2,7 @@
 //!
 //! Where the script applies a rule of the engine (the promise horizon and grace, the stagger of
 //! upstream hints, the adaptive window's slots, the concurrency slot margin, the AIMD snap, the
-//! served meter's restart), its text names the constant as a placeholder, `${NAME}`, and [`text`]
+//! served meter's restart, an adaptive refusal's wait), its text names the constant as a placeholder, `${NAME}`, and [`text`]
 //! writes in the engine's own value: one definition, in Rust. The store loads only that text (its
 //! SHA follows the values). A placeholder without a value, or a value the script no longer names, is
 //! an error the store refuses to start with (and this module's tests catch first); an unwritten
@@ -33,6 +33,16 @@ fn constants() -> Vec<(&'static str, String)> {
         ("MARGIN_MAX", us(slots::MARGIN_MAX)),
         ("DEFAULT_RUN", us(slots::DEFAULT_RUN_NS)),
         ("AIMD_SNAP", format!("{:?}", adaptive::AIMD_SNAP)),
+        (
+            "ADAPTIVE_WAIT_PER_ODDS",
+            format!("{:?}", adaptive::ADAPTIVE_WAIT_PER_ODDS),
+        ),
+        (
+            "ADAPTIVE_LEAST_ACCEPT",
+            format!("{:?}", adaptive::ADAPTIVE_LEAST_ACCEPT),
+        ),
+        ("ADAPTIVE_WAIT_MIN", us(adaptive::ADAPTIVE_WAIT_MIN)),
+        ("ADAPTIVE_WAIT_MAX", us(adaptive::ADAPTIVE_WAIT_MAX)),
         ("METER_RESTART", format!("{:?}", probe::METER_RESTART)),
     ]
 }

@@ -70,7 +70,7 @@ use compact_str::CompactString;
 use serde::Serialize;
 use smallvec::SmallVec;
 
-use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
+use super::adaptive::{adaptive_wait, aimd_cut, aimd_recover, SreWindow};
 use super::bucket::{
     stagger, stagger_atomic, stagger_window, AtomicBucket, Bucket, Gcra, Promise, Take,
     PROMISE_HORIZON,
