@@ -7,7 +7,8 @@
 //! concurrency slot hint leaves after the slot's expected end.
 //!
 //! The script's functions are run as the store loads them (the engine's constants written in), on
-//! a clock the test sets, by a real Redis.
+//! a clock the test sets, by a real Redis; the script as written, placeholders left in, does not
+//! compile there.
 
 mod common;
 
@@ -206,4 +207,22 @@ fn a_concurrency_hint_leaves_the_same_margin_after_the_slot() {
             "run {run} us: engine {engine} us, script {lua} us"
         );
     }
+}
+
+/// The store loads only the rendered text: the script as written, its placeholders left in, is
+/// not Lua, so no path could run it with a constant missing.
+#[test]
+fn the_script_with_its_placeholders_left_in_does_not_compile() {
+    let r = RedisServer::start();
+    let written = include_str!("../src/store/admitd.lua");
+    assert!(
+        written.contains("${PROMISE_HORIZON}"),
+        "the script names its constants"
+    );
+    let out = r
+        .try_cli(&["SCRIPT", "LOAD", written])
+        .unwrap_or_else(|e| e);
+    assert!(out.contains("Error compiling script"), "{out}");
+    let loaded = r.cli(&["SCRIPT", "LOAD", common::script::text()]);
+    assert_eq!(loaded.len(), 40, "the rendered script loads: {loaded}");
 }
