@@ -491,10 +491,14 @@ local function probe_answer(u, limited)
 end
 
 -- An upstream's answer: a 429 starts (or extends) its penalty, cuts its AIMD rate and counts as a
--- refusal in its adaptive window; any other answer recovers the rate and counts as an accept.
--- `u`: {p = penalty key, s = state key, af, afl, ar (AIMD factor, floor, recover), aw (adaptive
--- window, 0: off), forget}. Returns the penalty in microseconds (0: none).
-local function upstream_answer(u, limited, retry_after, default_penalty)
+-- refusal in its adaptive window; any other answer counts as an accept unless `ok` is false (a
+-- 503), and recovers the rate (and counts as served) only when `healthy` (admitd decides both, as
+-- the engine does; nil: true). `u`: {p = penalty key, s = state key, af, afl, ar (AIMD factor,
+-- floor, recover), aw (adaptive window, 0: off), forget}. Returns the penalty in microseconds (0:
+-- none).
+local function upstream_answer(u, limited, retry_after, default_penalty, ok, healthy)
+  if ok == nil then ok = true end
+  if healthy == nil then healthy = true end
   local penalty = 0
   if limited then
     penalty = retry_after
@@ -508,7 +512,7 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
   end
   local probe = ''
   if u.pr then
-    probe = probe_answer(u, limited)
+    if limited or healthy then probe = probe_answer(u, limited) end
   elseif u.af then
     local h = redis.call('HMGET', u.s, 'm', 'cut')
     local m, cut = num(h[1], 1), num(h[2], 0)
@@ -516,14 +520,14 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
     if limited then
       m = min(max(m * u.af, u.afl), 1)
       redis.call('HSET', u.s, 'm', fmt(m), 'cut', NOW)
-    elseif m < 1 then
+    elseif healthy and m < 1 then
       m = m + u.ar
       if m >= 1 - AIMD_SNAP then m = 1 end
       redis.call('HSET', u.s, 'm', fmt(m))
     end
   end
   if u.aw and u.aw > 0 then
-    sre_record(u.s, u.aw, 1, limited and 0 or 1)
+    sre_record(u.s, u.aw, 1, (limited or not ok) and 0 or 1)
   end
   if u.af or (u.aw and u.aw > 0) then
     expire_at(u.s, now + max(u.forget, u.aw or 0) + GRACE)
@@ -864,7 +868,8 @@ local function op_release()
   if spec.report then
     for i, u in ipairs(ups) do
       if i == 1 and not u.x then
-        penalty, probe = upstream_answer(u, spec.limited, spec.retry_after, spec.default_penalty)
+        penalty, probe = upstream_answer(u, spec.limited, spec.retry_after, spec.default_penalty,
+          spec.ok, spec.healthy)
       end
     end
   end
@@ -887,7 +892,8 @@ local function op_release()
 end
 
 local function op_upstream()
-  local penalty, probe = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty)
+  local penalty, probe = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty,
+    spec.ok, spec.healthy)
   return {'ok', fmt(penalty), probe}
 end
 

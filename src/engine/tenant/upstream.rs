@@ -275,7 +275,8 @@ impl TenantEngine {
             self.upstream_rate_limited(upstream, d, now);
             Some(d)
         } else {
-            self.upstream_answered(upstream, status != 503, status < 500, now);
+            let (accepted, healthy) = feedback_answer(status);
+            self.upstream_answered(upstream, accepted, healthy, now);
             None
         }
     }
