@@ -3,7 +3,8 @@
 "Shared store (Redis)"): exact, so two versions of src/store/admitd.lua compare without the noise of
 CPU time on a shared machine.
 
-Starts redis-server under callgrind (valgrind) on a free loopback port, loads the script, sends
+Starts redis-server under callgrind (valgrind) on a free loopback port, loads the script (with the
+engine's constants written in, as admitd loads it: `cargo run --example store_script`), sends
 script calls of 20 decisions shaped like the shared-store benchmark's (subject, tenant and global
 buckets, subject and tenant concurrency; 1 000 tenants x 20 subjects, fresh keys) and prints
 callgrind's instruction count between two dumps over the decisions sent, and the commands the
@@ -74,7 +75,9 @@ def main():
                 r = Redis(port); r.cmd('PING'); break
             except OSError:
                 time.sleep(0.2)
-        sha = r.cmd('SCRIPT', 'LOAD', open(a.script).read())
+        text = subprocess.run(['cargo', 'run', '-q', '--example', 'store_script', '--', a.script],
+                              cwd=os.path.join(here, '..'), check=True, capture_output=True, text=True).stdout
+        sha = r.cmd('SCRIPT', 'LOAD', text)
         random.seed(1)
         def calls(n):
             for _ in range(n):

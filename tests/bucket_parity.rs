@@ -1,11 +1,12 @@
 //! The promise cursor is written twice: in the engine (`engine/bucket.rs`, `promise_at` and
 //! `cursor_live`, with `PROMISE_HORIZON` and `PROMISE_GRACE`) and in the shared-store script
-//! (`promise_at` and `cursor_live` in `src/store/admitd.lua`, with `HORIZON` and `GRACE`). These
+//! (`promise_at` and `cursor_live` in `src/store/admitd.lua`, with the engine's two constants
+//! written in as `HORIZON` and `GRACE` when the store builds the script it loads). These
 //! tests feed both the same bucket, the same instants and the same refused callers, and hold them
 //! to the same answers: each promise's wait, whether the horizon is booked, and whether the
 //! promises before it are still waiting.
 //!
-//! The script's functions are run as the script defines them: its text up to and including
+//! The script's functions are run as the store loads them: its text up to and including
 //! `promise_at`, with the store's clock replaced by the instant the test gives, evaluated by a real
 //! Redis.
 
@@ -15,26 +16,17 @@ use admitd::config::BucketSpec;
 use admitd::engine::bucket::{Bucket, Gcra, Promise, Take};
 use common::redis::RedisServer;
 
-const SCRIPT: &str = include_str!("../src/store/admitd.lua");
 const US: u64 = 1_000;
 
 /// The script's text up to the end of `promise_at`, on a clock the caller sets (ARGV[1], in
 /// microseconds), then one call of it: ARGV[2..6] are cursor, tat, not_before, inc and tau.
 fn script_promise() -> String {
-    let clock = "local now = tonumber(t[1]) * 1000000 + tonumber(t[2])";
-    assert!(
-        SCRIPT.contains(clock),
-        "the script reads the store's clock as expected"
-    );
-    let end = SCRIPT
-        .find("-- A staggered slot on a cursor field")
-        .expect("promise_at is followed by stagger in the script");
-    let head = SCRIPT[..end].replace(clock, "local now = tonumber(ARGV[1])");
-    format!(
-        "{head}\nlocal a = {{}}\nfor i = 2, 6 do a[i - 1] = tonumber(ARGV[i]) end\n\
+    common::script::through(
+        "promise_at",
+        "local a = {}\nfor i = 2, 6 do a[i - 1] = tonumber(ARGV[i]) end\n\
          local live = cursor_live(a[1], a[2], a[5], a[3]) and 1 or 0\n\
          local c, w, b = promise_at(a[1], a[2], a[3], a[4], a[5])\n\
-         return {{string.format('%d', c), string.format('%.17g', w), b, live}}"
+         return {string.format('%d', c), string.format('%.17g', w), b, live}",
     )
 }
 

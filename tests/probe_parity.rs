@@ -15,9 +15,13 @@ use admitd::engine::probe::{StoredProbe, PROBE_LEN, RAMP};
 use common::redis::RedisServer;
 use serde_json::{json, Value};
 
-const SCRIPT: &str = include_str!("../src/store/admitd.lua");
 const KEY: &str = "admitd:{x}:up:api";
 const US: f64 = 1e6;
+
+/// The script as the store loads it (the engine's constants written in).
+fn script() -> &'static str {
+    common::script::text()
+}
 
 fn aimd() -> Aimd {
     Aimd {
@@ -64,7 +68,15 @@ fn healthy_answer(r: &RedisServer, q: f64) -> Value {
                      "pl": (PROBE_LEN / 1000) as f64, "rp": (RAMP / 1000) as f64, "tau": 1e6}},
         "limited": false, "retry_after": -1, "default_penalty": 1e6,
     });
-    let out = r.cli(&["EVAL", SCRIPT, "1", KEY, "upstream", &spec.to_string(), ""]);
+    let out = r.cli(&[
+        "EVAL",
+        script(),
+        "1",
+        KEY,
+        "upstream",
+        &spec.to_string(),
+        "",
+    ]);
     let json = out.lines().nth(2).unwrap_or_else(|| panic!("{out}"));
     serde_json::from_str::<Value>(json).unwrap()["st"].clone()
 }
@@ -77,7 +89,7 @@ fn script_multiplier(r: &RedisServer) -> f64 {
         "pl": (PROBE_LEN / 1000) as f64});
     let out = r.cli(&[
         "EVAL",
-        SCRIPT,
+        script(),
         "1",
         "admitd:{t:a}:h",
         "snapshot",

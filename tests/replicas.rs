@@ -739,7 +739,7 @@ fn calls_queued_while_redis_is_busy_share_script_calls_and_each_is_decided_once(
 #[test]
 fn a_failing_operation_in_a_batch_answers_an_error_for_itself_only() {
     let redis = RedisServer::start();
-    let script = include_str!("../src/store/admitd.lua");
+    let script = common::script::text();
     let upstream = json!({
         "u": {"n": "crm", "p": "t:{t:a}:pen:crm", "s": "t:{t:a}:up:crm", "aw": 0, "forget": 1e6, "x": false},
         "limited": true, "retry_after": 2e6, "default_penalty": 1e6

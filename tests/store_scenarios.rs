@@ -1,7 +1,8 @@
 //! One behaviour suite, run against both stores: the in-process memory store and a real Redis that
 //! each test starts on a free port. Every scenario drives the real binary over HTTP and expects the
 //! same answers from either store: buckets, refunds, holds and their refund on disconnect, oversized
-//! calls, concurrency and the lease TTL, daily quotas, penalties, AIMD and shadow mode.
+//! calls, concurrency and the lease TTL, daily quotas, penalties, AIMD, the adaptive throttle and
+//! shadow mode.
 
 mod common;
 
@@ -275,6 +276,85 @@ fn an_upstream_429_pauses_it_and_cuts_its_rate(redis: bool) {
     assert_eq!(d.admit(call("acme", "bot", "crm_read")).status, 200);
 }
 
+/// An upstream that rejects most calls is throttled locally, and a call the throttle refuses is
+/// told to wait as long as the upstream's odds of rejecting say (2 × p / (1 − p) seconds): three
+/// rejections and no accept, p = 3/4, a 6 s wait.
+fn an_adaptive_refusal_waits_by_the_upstreams_odds(redis: bool) {
+    let s = start(
+        "[tools.crm_read]\nupstream = \"crm\"\n[upstreams.crm]\nadaptive_k = 1\nadaptive_min_requests = 0\n",
+        redis,
+    );
+    let d = &s.daemon;
+    for _ in 0..3 {
+        // 429s that ask for no wait: rejections, and no penalty to refuse first.
+        let f = d.post(
+            "/v1/feedback",
+            json!({"tenant": "acme", "upstream": "crm", "status": 429, "retry_after": "0"}),
+        );
+        assert_eq!(f.status, 202, "{}", f.body);
+    }
+    std::thread::sleep(Duration::from_millis(5));
+    // Refused with probability 3/4 (an admitted call counts nothing until its answer is reported);
+    // a subject each, so that no bucket refuses first.
+    let refused = (0..40)
+        .map(|i| d.admit(call("acme", &format!("bot{i}"), "crm_read")))
+        .find(|a| a.status == 429)
+        .expect("the throttle refuses within 40 calls");
+    assert_eq!(refused.body["scope"], "adaptive", "{}", refused.body);
+    let wait = refused.body["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        (5_900..=6_200).contains(&wait),
+        "{wait} ms: {}",
+        refused.body
+    );
+}
+
+/// How an upstream's answers count besides a 429: a 503 is no accept and recovers nothing, a 500
+/// is an accept that recovers nothing, a 200 recovers the rate.
+fn a_503_counts_as_a_rejection_and_recovers_nothing(redis: bool) {
+    let s = start(
+        "[tools.crm_read]\nupstream = \"crm\"\n[upstreams.crm]\nrate = \"10/s\"\nburst = 10\nadaptive_k = 1\nadaptive_min_requests = 0\n",
+        redis,
+    );
+    let d = &s.daemon;
+    let feedback = |status: u16| {
+        let f = d.post(
+            "/v1/feedback",
+            json!({"tenant": "acme", "upstream": "crm", "status": status, "retry_after": "0"}),
+        );
+        assert_eq!(f.status, 202, "{}", f.body);
+    };
+    let multiplier = || {
+        let snap = snapshot(d, "acme");
+        snap["upstreams"]
+            .as_array()
+            .and_then(|u| u.iter().find(|u| u["upstream"] == "crm"))
+            .and_then(|u| u["multiplier"].as_f64())
+            .unwrap_or_else(|| panic!("{snap}"))
+    };
+    // A call first, so that the tenant holds state to show (its answer is never reported).
+    assert_eq!(d.admit(call("acme", "first", "crm_read")).status, 200);
+    feedback(429);
+    assert_eq!(multiplier(), 0.5, "a 429 cuts the rate");
+    feedback(503);
+    feedback(500);
+    assert_eq!(multiplier(), 0.5, "neither a 503 nor a 500 recovers it");
+    std::thread::sleep(Duration::from_millis(5));
+    // Three requests, one accepted (the 500): p = (3 - 1) / 4, a wait of 2 × p / (1 − p) = 2 s.
+    let refused = (0..40)
+        .map(|i| d.admit(call("acme", &format!("bot{i}"), "crm_read")))
+        .find(|a| a.status == 429 && a.body["scope"] == "adaptive")
+        .expect("the throttle refuses within 40 calls");
+    let wait = refused.body["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        (1_900..=2_200).contains(&wait),
+        "{wait} ms: {}",
+        refused.body
+    );
+    feedback(200);
+    assert!((multiplier() - 0.55).abs() < 1e-9, "a 200 recovers it");
+}
+
 /// Feedback outside a lease on a shared upstream pauses it for every tenant.
 fn feedback_on_a_shared_upstream_pauses_every_tenant(redis: bool) {
     let s = start(
@@ -421,6 +501,8 @@ both_stores!(
     a_daily_quota_refuses_until_midnight,
     an_upstream_429_pauses_it_and_cuts_its_rate,
     feedback_on_a_shared_upstream_pauses_every_tenant,
+    an_adaptive_refusal_waits_by_the_upstreams_odds,
+    a_503_counts_as_a_rejection_and_recovers_nothing,
     one_tenants_promises_on_a_shared_upstream_do_not_book_anothers_wait,
     shadow_mode_admits_and_spends_nothing,
     unknown_leases_are_404,

@@ -23,8 +23,12 @@ use std::collections::VecDeque;
 use crate::clock::{Nanos, NS_PER_MS, NS_PER_SEC};
 use crate::config::Aimd;
 
-/// Slots in the adaptive-throttling window.
-const SRE_SLOTS: u64 = 24;
+/// Slots in the adaptive-throttling window (the shared-store script gets it from here).
+pub const SRE_SLOTS: u64 = 24;
+
+/// How close to the configured rate a recovering AIMD multiplier snaps to it: 0.2 + 8 × 0.1 is
+/// 0.9999999999999999 in floating point (the shared-store script gets it from here).
+pub const AIMD_SNAP: f64 = 1e-9;
 
 /// Requests and accepts over a sliding window.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -123,6 +127,24 @@ pub fn throttle_probability(requests: u64, accepts: u64, k: f64) -> f64 {
     ((r - k * accepts as f64) / (r + 1.0)).max(0.0)
 }
 
+/// Seconds an adaptive refusal's hint waits per unit of the odds that the upstream refuses
+/// (p / (1 − p), with 1 − p at least [`ADAPTIVE_LEAST_ACCEPT`]), between [`ADAPTIVE_WAIT_MIN`] and
+/// [`ADAPTIVE_WAIT_MAX`]: the more it rejects, the longer it takes to recover.
+pub const ADAPTIVE_WAIT_PER_ODDS: f64 = 2.0;
+pub const ADAPTIVE_LEAST_ACCEPT: f64 = 0.05;
+pub const ADAPTIVE_WAIT_MIN: Nanos = NS_PER_SEC;
+pub const ADAPTIVE_WAIT_MAX: Nanos = 30 * NS_PER_SEC;
+
+/// How long a call the adaptive throttle refused with probability `p` waits at least (before the
+/// hints of calls refused together are staggered): 2 × p / (1 − p) seconds, 1 to 30. The
+/// shared-store script computes the same (`adaptive_wait`, with these constants).
+pub fn adaptive_wait(p: f64) -> Nanos {
+    let secs = |ns: Nanos| ns as f64 / NS_PER_SEC as f64;
+    let wait = (ADAPTIVE_WAIT_PER_ODDS * p / (1.0 - p).max(ADAPTIVE_LEAST_ACCEPT))
+        .clamp(secs(ADAPTIVE_WAIT_MIN), secs(ADAPTIVE_WAIT_MAX));
+    (wait * NS_PER_SEC as f64) as u64
+}
+
 /// The AIMD multiplier after a 429.
 pub fn aimd_cut(m: f64, a: &Aimd) -> f64 {
     (m * a.factor).max(a.floor).min(1.0)
@@ -131,8 +153,7 @@ pub fn aimd_cut(m: f64, a: &Aimd) -> f64 {
 /// The AIMD multiplier after a successful call.
 pub fn aimd_recover(m: f64, a: &Aimd) -> f64 {
     let next = m + a.recover;
-    // Snap the last step: 0.2 + 8 × 0.1 is 0.9999999999999999 in floating point.
-    if next >= 1.0 - 1e-9 {
+    if next >= 1.0 - AIMD_SNAP {
         1.0
     } else {
         next

@@ -221,6 +221,16 @@ pub fn stagger(last: &mut Nanos, base: Nanos, step: u64, window: u64) -> Nanos {
     *last
 }
 
+/// The shortest window a [`stagger`] of upstream hints covers.
+pub const STAGGER_MIN_WINDOW: Nanos = NS_PER_SEC;
+
+/// The window the hints of calls refused for `wait` by an upstream (its penalty box or its adaptive
+/// throttle) are staggered over: `wait` itself, at least [`STAGGER_MIN_WINDOW`], at most
+/// [`PROMISE_HORIZON`]. The shared-store script computes the same (`stagger_window`).
+pub fn stagger_window(wait: u64) -> u64 {
+    wait.clamp(STAGGER_MIN_WINDOW, PROMISE_HORIZON)
+}
+
 /// [`stagger`] on a cursor shared across tenants (a shared upstream's penalty box and adaptive
 /// throttle).
 pub fn stagger_atomic(last: &AtomicU64, base: Nanos, step: u64, window: u64) -> Nanos {

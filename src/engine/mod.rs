@@ -21,8 +21,8 @@ pub mod types;
 
 pub use shared::SharedBudgets;
 pub use tenant::{
-    AdmitRequest, AdmitResult, CallSpend, PollAnswer, ProbeReport, ReleaseInfo, Released,
-    RemoteAdaptive, RemoteAnswer, RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty,
+    feedback_answer, AdmitRequest, AdmitResult, CallSpend, PollAnswer, ProbeReport, ReleaseInfo,
+    Released, RemoteAdaptive, RemoteAnswer, RemoteCall, RemoteLayer, RemoteOutcome, RemotePenalty,
     RemoteQuota, RemoteScope, RemoteSlots, RemoteSnapshotPlan, RemoteSnapshotState, Settlement,
     StateKey, TenantEngine, TenantGauges, TenantSnapshot, UnknownLease, UpstreamReport,
 };

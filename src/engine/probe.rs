@@ -274,6 +274,9 @@ impl Probe {
 /// The time constant of the shared store's served meter: a sum of what was served, decaying by
 /// e every second.
 pub const METER_TAU: Nanos = NS_PER_SEC;
+/// The shared store's meter starts over (its start moves to the answer) after this many
+/// [`METER_TAU`] without a healthy answer: what it held has decayed to nothing (e^-5 < 1%).
+pub const METER_RESTART: f64 = 5.0;
 /// The shared store's meter is trusted once it has run this long.
 const METER_MIN_AGE: Nanos = 500 * NS_PER_MS;
 

@@ -115,10 +115,16 @@ pub fn floor(run: u64) -> u64 {
     (run / 10).clamp(10 * NS_PER_MS, NS_PER_SEC)
 }
 
+/// The slot margin is the run divided by this (5%), between [`MARGIN_MIN`] and [`MARGIN_MAX`].
+pub const MARGIN_SHARE: u64 = 20;
+pub const MARGIN_MIN: Nanos = 20 * NS_PER_MS;
+pub const MARGIN_MAX: Nanos = 250 * NS_PER_MS;
+
 /// How long after a slot's expected end its promised caller is told to come: the end is an estimate,
 /// and the release that frees the slot travels over the network too. 5% of the run, 20 to 250 ms.
+/// The shared-store script computes the same (`slot_margin`, with these constants).
 pub fn margin(run: u64) -> u64 {
-    (run / 20).clamp(20 * NS_PER_MS, 250 * NS_PER_MS)
+    (run / MARGIN_SHARE).clamp(MARGIN_MIN, MARGIN_MAX)
 }
 
 /// Forgets the promises whose callers did not come back within the grace, and takes the first due

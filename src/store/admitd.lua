@@ -56,8 +56,22 @@ local spec, extra -- the operation's spec and lease data, set for each operation
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
-local HORIZON = 60e6       -- how far ahead bucket promises may run
-local GRACE = 1e6          -- how long after its slot a promise still holds
+-- The engine's rules, written in by admitd from its own constants when it builds the script it loads
+-- (src/store/script.rs, which refuses a placeholder it has no value for; one left unwritten would
+-- not be Lua either). Durations in microseconds.
+local HORIZON = ${PROMISE_HORIZON}        -- how far ahead bucket promises may run
+local GRACE = ${PROMISE_GRACE}            -- how long after its slot a promise still holds
+local STAGGER_MIN_WINDOW = ${STAGGER_MIN_WINDOW} -- the least an upstream's hints are spread over
+local SRE_SLOTS = ${SRE_SLOTS}            -- slots of an adaptive-throttle window
+local MARGIN_SHARE = ${MARGIN_SHARE}      -- a slot hint's margin: the run over this,
+local MARGIN_MIN, MARGIN_MAX = ${MARGIN_MIN}, ${MARGIN_MAX} -- within these
+local DEFAULT_RUN = ${DEFAULT_RUN}        -- the run of a tool nothing was learned about
+local AIMD_SNAP = ${AIMD_SNAP}            -- a recovering multiplier this close to 1 is 1
+-- an adaptive refusal's wait: seconds per odds of a refusal (1 - p at least the least accept), within
+local ADAPTIVE_WAIT_PER_ODDS, ADAPTIVE_LEAST_ACCEPT = ${ADAPTIVE_WAIT_PER_ODDS}, ${ADAPTIVE_LEAST_ACCEPT}
+local ADAPTIVE_WAIT_MIN, ADAPTIVE_WAIT_MAX = ${ADAPTIVE_WAIT_MIN}, ${ADAPTIVE_WAIT_MAX}
+local METER_RESTART = ${METER_RESTART}    -- a served meter quiet this many taus starts over
+-- The store's own housekeeping: the calendar, and how long counters are kept.
 local DAY = 86400e6
 local KEEP = 2 * DAY       -- quota counters outlive their day by one
 
@@ -81,7 +95,7 @@ local function expire_at(key, at)
   redis.call('PEXPIRE', key, ms)
 end
 
-local SLACK = 10e6 -- how far past what it must outlive a key's expiry is pushed
+local SLACK = 10e6 -- how far past what it must outlive a key's expiry is pushed (housekeeping)
 
 -- Makes `key` (which exists) live until at least `at`, given that its expiry was last pushed to
 -- `pushed`; returns the instant it lives until now.
@@ -251,6 +265,18 @@ local function stagger_cached(key, field, base, step, window)
   return nxt
 end
 
+-- The window the hints of calls an upstream refuses for `wait` are staggered over (the engine's
+-- `bucket::stagger_window`).
+local function stagger_window(wait)
+  return min(max(wait, STAGGER_MIN_WINDOW), HORIZON)
+end
+
+-- How long after a concurrency slot's expected end its promised caller is told to come (the
+-- engine's `slots::margin`): the end is an estimate, and the release travels too.
+local function slot_margin(run)
+  return min(max(run / MARGIN_SHARE, MARGIN_MIN), MARGIN_MAX)
+end
+
 local function whole_tokens(burst, T, tat)
   local missing = max(tat - now, 0)
   local tokens = burst - missing / T
@@ -377,7 +403,6 @@ local function shed(scope, wait, booked, account_wide, layer, report)
   return r
 end
 -- Adaptive-throttle window: requests and accepts per slot, `r:<slot>` and `a:<slot>` fields.
-local SRE_SLOTS = 24
 local function sre_totals(key, window)
   local len = max(floor(window / SRE_SLOTS), 1)
   local slot = floor(now / len)
@@ -407,6 +432,21 @@ local function sre_record(key, window, requests, accepts)
   if accepts > 0 then redis.call('HINCRBY', key, 'a:' .. slot, accepts) end
 end
 
+-- The adaptive throttle's refusal probability over a window of `req` requests and `acc` accepts
+-- (the engine's `SreWindow::reject_probability`): none below `least` requests.
+local function reject_probability(req, acc, k, least)
+  if req < least then return 0 end
+  return max(0, (req - k * acc) / (req + 1))
+end
+
+-- How long a call the throttle refused with probability `p` waits at least, before the hints of
+-- calls refused together are staggered (the engine's `adaptive::adaptive_wait`): the more the
+-- upstream rejects, the longer it takes to recover.
+local function adaptive_wait(p)
+  local secs = ADAPTIVE_WAIT_PER_ODDS * p / max(1 - p, ADAPTIVE_LEAST_ACCEPT)
+  return floor(min(max(secs * 1e6, ADAPTIVE_WAIT_MIN), ADAPTIVE_WAIT_MAX))
+end
+
 -- The fields of a probe schedule (src/engine/probe.rs) as a state hash holds them, and its version.
 local PROBE_FIELDS = {'m', 'c', 'iv', 'sp', 'pa', 'pt', 'ca', 'pu', 'sv', 'st', 's0', 'v'}
 
@@ -422,7 +462,7 @@ local function probe_answer(u, limited)
   local m, c, pa, pu = num(h[1], 1), num(h[2], 1), num(h[3], 0), num(h[4], 0)
   local sv, st, s0 = num(h[5], 0), num(h[6], 0), num(h[7], 0)
   if not limited then
-    if now - st > 5 * pr.tau then
+    if now - st > METER_RESTART * pr.tau then
       sv, s0 = 0, now
     else
       sv = sv * math.exp(-(now - st) / pr.tau)
@@ -435,7 +475,7 @@ local function probe_answer(u, limited)
       local hold = min(c * pr.h, 1)
       if m < hold then
         m = m + u.ar
-        if m >= 1 - 1e-9 then m = 1 end
+        if m >= 1 - AIMD_SNAP then m = 1 end
         f[#f + 1], f[#f + 2] = 'm', fmt(min(m, hold))
       end
     end
@@ -451,10 +491,14 @@ local function probe_answer(u, limited)
 end
 
 -- An upstream's answer: a 429 starts (or extends) its penalty, cuts its AIMD rate and counts as a
--- refusal in its adaptive window; any other answer recovers the rate and counts as an accept.
--- `u`: {p = penalty key, s = state key, af, afl, ar (AIMD factor, floor, recover), aw (adaptive
--- window, 0: off), forget}. Returns the penalty in microseconds (0: none).
-local function upstream_answer(u, limited, retry_after, default_penalty)
+-- refusal in its adaptive window; any other answer counts as an accept unless `ok` is false (a
+-- 503), and recovers the rate (and counts as served) only when `healthy` (admitd decides both, as
+-- the engine does; nil: true). `u`: {p = penalty key, s = state key, af, afl, ar (AIMD factor,
+-- floor, recover), aw (adaptive window, 0: off), forget}. Returns the penalty in microseconds (0:
+-- none).
+local function upstream_answer(u, limited, retry_after, default_penalty, ok, healthy)
+  if ok == nil then ok = true end
+  if healthy == nil then healthy = true end
   local penalty = 0
   if limited then
     penalty = retry_after
@@ -468,7 +512,7 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
   end
   local probe = ''
   if u.pr then
-    probe = probe_answer(u, limited)
+    if limited or healthy then probe = probe_answer(u, limited) end
   elseif u.af then
     local h = redis.call('HMGET', u.s, 'm', 'cut')
     local m, cut = num(h[1], 1), num(h[2], 0)
@@ -476,14 +520,14 @@ local function upstream_answer(u, limited, retry_after, default_penalty)
     if limited then
       m = min(max(m * u.af, u.afl), 1)
       redis.call('HSET', u.s, 'm', fmt(m), 'cut', NOW)
-    elseif m < 1 then
+    elseif healthy and m < 1 then
       m = m + u.ar
-      if m >= 1 - 1e-9 then m = 1 end
+      if m >= 1 - AIMD_SNAP then m = 1 end
       redis.call('HSET', u.s, 'm', fmt(m))
     end
   end
   if u.aw and u.aw > 0 then
-    sre_record(u.s, u.aw, 1, limited and 0 or 1)
+    sre_record(u.s, u.aw, 1, (limited or not ok) and 0 or 1)
   end
   if u.af or (u.aw and u.aw > 0) then
     expire_at(u.s, now + max(u.forget, u.aw or 0) + GRACE)
@@ -518,7 +562,7 @@ local function op_decide()
       write_bucket(l, max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
       wait = w
     else
-      wait = stagger(pen.k, 'c', untl, pen.step, min(max(pen_wait, 1e6), HORIZON)) - now
+      wait = stagger(pen.k, 'c', untl, pen.step, stagger_window(pen_wait)) - now
     end
     return shed('upstream_penalty', wait, 0, 1, 0, layer_report(spec.layers, st, false))
   end
@@ -526,11 +570,12 @@ local function op_decide()
   -- Adaptive throttling: refuse locally with the SRE probability over the upstream's window.
   for _, a in ipairs(spec.ad) do
     local req, acc = sre_totals(a.k, a.w)
-    local prob = max(0, (req - a.K * acc) / (req + 1))
-    if req >= (a.min or 0) and spec.rand < prob then
+    local prob = reject_probability(req, acc, a.K, a.min or 0)
+    if spec.rand < prob then
       sre_record(a.k, a.w, 1, 0)
       expire_at(a.k, now + a.w + GRACE)
-      local wait = stagger(a.k, 'c', now + a.step, a.step, 1e6) - now
+      local least = adaptive_wait(prob)
+      local wait = stagger(a.k, 'c', now + least, a.step, stagger_window(least)) - now
       return shed('adaptive', wait, 0, 1, 0, layer_report(spec.layers, st, false))
     end
   end
@@ -556,7 +601,7 @@ local function op_decide()
       -- The slot expected to free first: each lease's start plus how long this tool's calls run.
       local rf = 'rt:' .. spec.tool
       load(h, {rf})
-      local run = num(hget(h, rf), 1e6)
+      local run = num(hget(h, rf), DEFAULT_RUN)
       local earliest = nil
       local live = redis.call('ZRANGE', spec.z, 0, -1, 'WITHSCORES')
       for i = 1, #live - 1, 2 do
@@ -580,7 +625,7 @@ local function op_decide()
       end
       -- Refused callers are told one slot each, a run's share of a slot apart (the rate at which
       -- slots free), each a margin after the end it waits for: the release travels too.
-      local margin = min(max(run * 0.05, 20e3), 250e3)
+      local margin = slot_margin(run)
       local step = max((run + margin) / c.cap, 1e3)
       local wait = stagger_cached(h, c.cursor, earliest + margin, step, HORIZON) - now
       return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
@@ -823,7 +868,8 @@ local function op_release()
   if spec.report then
     for i, u in ipairs(ups) do
       if i == 1 and not u.x then
-        penalty, probe = upstream_answer(u, spec.limited, spec.retry_after, spec.default_penalty)
+        penalty, probe = upstream_answer(u, spec.limited, spec.retry_after, spec.default_penalty,
+          spec.ok, spec.healthy)
       end
     end
   end
@@ -846,7 +892,8 @@ local function op_release()
 end
 
 local function op_upstream()
-  local penalty, probe = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty)
+  local penalty, probe = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty,
+    spec.ok, spec.healthy)
   return {'ok', fmt(penalty), probe}
 end
 

@@ -10,8 +10,9 @@
 //! Which layers a call passes, in which order and what a refusal says are decided in the engine
 //! only. The rules that move state (GCRA with hold and promise cursor, the hint stagger and slot
 //! margin, the adaptive window, AIMD, task polls) are written twice, in the engine and in
-//! `admitd.lua`: docs/architecture.md lists each, and what holds the two copies together. The
-//! actors and the API reach a store through [`Store`].
+//! `admitd.lua`, with every constant defined once in the engine and written into the script
+//! ([`script`]): docs/architecture.md lists each rule, and the parity test that holds the two
+//! copies together. The actors and the API reach a store through [`Store`].
 
 use std::sync::Arc;
 
@@ -20,6 +21,7 @@ mod error;
 pub mod keys;
 mod lane;
 pub mod redis;
+pub mod script;
 pub mod slices;
 mod spec;
 mod tasks;

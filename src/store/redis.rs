@@ -55,8 +55,6 @@ const FAILURES_TO_DOWN: u32 = 3;
 /// The penalty of a 429 reported without a Retry-After.
 const DEFAULT_PENALTY_US: f64 = 1e6;
 
-const SCRIPT: &str = include_str!("admitd.lua");
-
 enum Conns {
     /// One server: the client each worker's lane connects with (`generation` counts the store's
     /// connections, so a lane made before a reconnection is made again), and `pool_size`
@@ -119,6 +117,9 @@ impl RedisStore {
     /// Starts the store's thread and connects. A Redis that is not reachable yet is not an error:
     /// the store starts down (admissions follow `on_error`) and connects when Redis answers.
     pub async fn start(cfg: &StoreConfig, telemetry: Telemetry) -> Result<Arc<Self>, String> {
+        // The script with the engine's constants written in (an error only if it names one the
+        // engine has no value for: see `script`).
+        let script = super::script::text()?;
         if cfg.urls().iter().any(|u| u.starts_with("rediss://")) {
             // TLS (`rediss://`) verifies the server against the system's roots (or the file named by
             // SSL_CERT_FILE). Installing fails only when a provider is installed already: fine.
@@ -152,9 +153,9 @@ impl RedisStore {
         let store = Arc::new(RedisStore {
             keys: Keys::new(&cfg.key_prefix),
             cfg: cfg.clone(),
-            script: redis::Script::new(SCRIPT),
+            script: redis::Script::new(script),
             lanes: Arc::new(Lanes::new(
-                redis::Script::new(SCRIPT),
+                redis::Script::new(script),
                 cfg.pool_size,
                 cfg.timeout,
             )),
@@ -576,10 +577,12 @@ impl RedisStore {
             .flat_map(|s| s.spent.iter())
             .map(|(u, x)| (u.to_string(), json!(x)))
             .collect();
-        let limited = info.as_ref().is_some_and(|i| {
-            i.outcome == crate::engine::Outcome::UpstreamRateLimited
-                || i.upstream_status == Some(429)
-        });
+        let limited = info.as_ref().is_some_and(ReleaseInfo::rate_limited);
+        // How the answer counts besides a 429, as in memory (`ReleaseInfo`): a cancelled call's not
+        // at all, a 503 as no accept, only an ok answer below 500 as healthy.
+        let report = info.as_ref().is_some_and(|i| limited || i.reports_answer());
+        let accepted = info.as_ref().is_none_or(ReleaseInfo::accepted);
+        let healthy = info.as_ref().is_some_and(ReleaseInfo::healthy);
         let retry_after = info
             .as_ref()
             .and_then(|i| i.retry_after)
@@ -601,8 +604,10 @@ impl RedisStore {
             "z": self.keys.leases(&tenant),
             "id": format!("{lease:016x}"),
             "refund": refund,
-            "report": info.is_some(),
+            "report": report,
             "limited": limited,
+            "ok": accepted,
+            "healthy": healthy,
             "retry_after": retry_after,
             "default_penalty": DEFAULT_PENALTY_US,
             "duration": duration,
@@ -626,10 +631,10 @@ impl RedisStore {
             self.write_probe(&tenant, probe, limited).await;
         }
         // A shared upstream in a cluster: its state lives on another shard.
-        if !parts[5].is_empty() && info.is_some() {
+        if !parts[5].is_empty() && report {
             if let Ok(u) = serde_json::from_str::<Value>(&parts[5]) {
-                let spec = json!({"u": u, "limited": limited, "retry_after": retry_after,
-                                  "default_penalty": DEFAULT_PENALTY_US});
+                let spec = json!({"u": u, "limited": limited, "ok": accepted, "healthy": healthy,
+                                  "retry_after": retry_after, "default_penalty": DEFAULT_PENALTY_US});
                 let route = format!("{}:route", self.keys.cross_base());
                 if let Ok(v) = self
                     .invoke(&route, "upstream", spec.to_string(), String::new())
@@ -664,9 +669,12 @@ impl RedisStore {
         retry_after: Option<Duration>,
     ) -> Result<Option<Duration>, StoreError> {
         let limited = status == 429;
+        let (accepted, healthy) = crate::engine::feedback_answer(status);
         let spec = json!({
             "u": spec::report_spec(&self.keys, &tenant, &report, false),
             "limited": limited,
+            "ok": accepted,
+            "healthy": healthy,
             "retry_after": retry_after.map_or(-1.0, |d| d.as_micros() as f64),
             "default_penalty": DEFAULT_PENALTY_US,
         });

@@ -4,6 +4,7 @@
 
 pub mod fake_upstream;
 pub mod redis;
+pub mod script;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};

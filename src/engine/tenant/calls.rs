@@ -121,22 +121,16 @@ impl TenantEngine {
             self.run_times
                 .record(&l.subject, &l.tool, held.max(reported));
         }
-        let rate_limited =
-            info.outcome == Outcome::UpstreamRateLimited || info.upstream_status == Some(429);
         let mut penalty = None;
-        if rate_limited && !l.upstreams.is_empty() {
+        if info.rate_limited() && !l.upstreams.is_empty() {
             let d = info.retry_after.unwrap_or(Duration::from_secs(1));
             for (up, _) in &l.upstreams {
                 self.upstream_rate_limited(up, d, now);
             }
             penalty = Some(d);
-        } else if info.outcome != Outcome::Cancelled {
-            // 503 is the other "overloaded" answer: not an accept, but no penalty either.
-            let accepted = info.upstream_status != Some(503);
-            let healthy =
-                info.outcome == Outcome::Ok && info.upstream_status.is_none_or(|s| s < 500);
+        } else if info.reports_answer() {
             for (up, _) in &l.upstreams {
-                self.upstream_answered(up, accepted, healthy, now);
+                self.upstream_answered(up, info.accepted(), info.healthy(), now);
             }
         }
         let mut granted = std::mem::take(&mut self.pending);

@@ -161,7 +161,7 @@ impl TenantEngine {
     ) -> Nanos {
         let base = now.saturating_add(wait);
         let step = self.retry_step(r, up, shared);
-        let window = wait.clamp(NS_PER_SEC, PROMISE_HORIZON);
+        let window = stagger_window(wait);
         match shared {
             Some(s) => stagger_atomic(&s.retry_stagger, base, step, window),
             None => stagger(&mut self.upstream_mut(up).retry_stagger, base, step, window),

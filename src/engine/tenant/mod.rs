@@ -70,9 +70,10 @@ use compact_str::CompactString;
 use serde::Serialize;
 use smallvec::SmallVec;
 
-use super::adaptive::{aimd_cut, aimd_recover, SreWindow};
+use super::adaptive::{adaptive_wait, aimd_cut, aimd_recover, SreWindow};
 use super::bucket::{
-    stagger, stagger_atomic, AtomicBucket, Bucket, Gcra, Promise, Take, PROMISE_HORIZON,
+    stagger, stagger_atomic, stagger_window, AtomicBucket, Bucket, Gcra, Promise, Take,
+    PROMISE_HORIZON,
 };
 use super::leases::{Expiries, Leases};
 use super::refusal::{self, RefusalContext};
@@ -142,6 +143,36 @@ pub struct ReleaseInfo {
     /// Already parsed from the upstream's Retry-After.
     pub retry_after: Option<Duration>,
     pub duration_ms: Option<u64>,
+}
+
+impl ReleaseInfo {
+    /// A 429, by its outcome or its status: a penalty, an AIMD cut, a rejection.
+    pub fn rate_limited(&self) -> bool {
+        self.outcome == Outcome::UpstreamRateLimited || self.upstream_status == Some(429)
+    }
+
+    /// Whether the upstream's answer counts at all besides a 429 (a cancelled call's does not).
+    pub fn reports_answer(&self) -> bool {
+        self.outcome != Outcome::Cancelled
+    }
+
+    /// Whether the upstream accepted the call: 503 is the other "overloaded" answer, not an
+    /// accept (but no penalty either).
+    pub fn accepted(&self) -> bool {
+        self.upstream_status != Some(503)
+    }
+
+    /// Whether the answer shows a healthy upstream (an ok outcome, a status below 500): it
+    /// recovers the AIMD rate and counts as served.
+    pub fn healthy(&self) -> bool {
+        self.outcome == Outcome::Ok && self.upstream_status.is_none_or(|s| s < 500)
+    }
+}
+
+/// How an upstream's answer reported outside a lease (`POST /v1/feedback`) with `status` other
+/// than 429 counts, as a release's does: (accepted, healthy).
+pub fn feedback_answer(status: u16) -> (bool, bool) {
+    (status != 503, status < 500)
 }
 
 /// What a release did.

@@ -247,10 +247,8 @@ impl TenantEngine {
                     Some(s) => s.sre_local_reject(now, window),
                     None => self.upstream_mut(up).sre.record_local_reject(now, window),
                 }
-                // The more the upstream rejects, the longer it takes to recover: wait 2 s per
-                // accepted-to-rejected ratio, between 1 and 30 seconds.
-                let wait = (2.0 * p / (1.0 - p).max(0.05)).clamp(1.0, 30.0);
-                let wait = (wait * NS_PER_SEC as f64) as u64;
+                // The more the upstream rejects, the longer it takes to recover.
+                let wait = adaptive_wait(p);
                 let slot = self.upstream_slot(r, up, shared.as_deref(), now, wait);
                 let mut shed = self.make_shed(r, Some(up), Scope::Adaptive, slot - now);
                 shed.reason = format!(
@@ -277,7 +275,8 @@ impl TenantEngine {
             self.upstream_rate_limited(upstream, d, now);
             Some(d)
         } else {
-            self.upstream_answered(upstream, status != 503, status < 500, now);
+            let (accepted, healthy) = feedback_answer(status);
+            self.upstream_answered(upstream, accepted, healthy, now);
             None
         }
     }
