@@ -237,13 +237,17 @@ fn commands(cluster: &RedisCluster) -> Vec<u64> {
 }
 
 /// The hot-shard measurement of docs/BENCHMARKS.md: three replicas on a three-shard cluster, the
-/// limits of benches/throughput.toml (nothing is shed), 1 000 tenants × 20 subjects, admit only;
-/// slices off and on, alternating. Prints each shard's commands per admission and their spread.
+/// limits of benches/throughput.toml (nothing is shed), 1 000 tenants × 20 subjects, 64 callers at
+/// once, admit only;
+/// slices off and on, alternating. Prints the script calls per admission (every shard's), each
+/// shard's commands per admission and their spread.
 /// `cargo test --release --test slices -- --ignored --nocapture commands_per_shard`
 #[test]
 #[ignore = "a measurement, not a check"]
 fn commands_per_shard() {
     const CALLS: u64 = 6_000;
+    /// Callers at once, as the throughput workload's 64 connections.
+    const CLIENTS: usize = 64;
     let limits = include_str!("../benches/throughput.toml");
     let cluster = RedisCluster::start(3);
     for round in 0..4 {
@@ -254,11 +258,12 @@ fn commands_per_shard() {
         );
         let daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
         let before = commands(&cluster);
+        let scripts_before: u64 = script_calls(&cluster).iter().sum();
         let admitted = AtomicU64::new(0);
         let next = AtomicU64::new(0);
         let started = std::time::Instant::now();
         std::thread::scope(|s| {
-            for _ in 0..16 {
+            for _ in 0..CLIENTS {
                 let (admitted, next, daemons) = (&admitted, &next, &daemons);
                 s.spawn(move || loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
@@ -276,6 +281,7 @@ fn commands_per_shard() {
         });
         let elapsed = started.elapsed();
         let admitted = admitted.into_inner() as f64;
+        let scripts = (script_calls(&cluster).iter().sum::<u64>() - scripts_before) as f64;
         let per: Vec<f64> = commands(&cluster)
             .iter()
             .zip(&before)
@@ -287,7 +293,8 @@ fn commands_per_shard() {
             .map(|p| (p - mean) / mean * 100.0)
             .fold(0.0f64, |m, d| m.max(d.abs()));
         println!(
-            "slice = {slice:>5}: {admitted} admitted in {elapsed:.1?}; commands per admission by shard {:.2?}, total {:.2}, largest deviation from the mean {spread:.0}%",
+            "slice = {slice:>5}: {admitted} admitted in {elapsed:.1?}; script calls per admission {:.3}; commands per admission by shard {:.2?}, total {:.2}, largest deviation from the mean {spread:.0}%",
+            scripts / admitted,
             per,
             per.iter().sum::<f64>()
         );

@@ -19,6 +19,7 @@ mod cross;
 mod error;
 pub mod keys;
 mod lane;
+mod nodes;
 pub mod redis;
 pub mod slices;
 mod spec;
