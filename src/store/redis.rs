@@ -1,14 +1,13 @@
 //! The Redis store: admission state shared by every replica that points at the same Redis (or Redis
 //! Cluster), decided by one server-side script per call (`admitd.lua`).
 //!
-//! On one server, each worker thread sends its decisions and releases on a connection of its own,
-//! driven on that worker (its *lane*): the operations queued while Redis runs a batch go together
-//! in the next script call, so under load a script call carries many decisions and an answer wakes
-//! the worker that waits for it with no other thread between. The store's own thread
-//! (`admitd-store`, a single-threaded tokio runtime) connects, probes a store that went down, and
-//! carries snapshots on `pool_size` connections; in a Redis Cluster it carries every call (one
-//! script call per operation, routed to the shard of its keys), pipelined on the cluster
-//! connection.
+//! Each worker thread sends its decisions and releases on a connection of its own, driven on that
+//! worker (its *lane*; in a Redis Cluster, one per node, see [`super::nodes`]): the operations
+//! queued while Redis runs a batch go together in the next script call, so under load a script
+//! call carries many decisions and an answer wakes the worker that waits for it with no other
+//! thread between. The store's own thread (`admitd-store`, a single-threaded tokio runtime)
+//! connects, probes a store that went down, and carries snapshots on `pool_size` connections (in a
+//! cluster, on the cluster client, which also reads the slot map).
 //!
 //! Failures: every call is bounded by `[store] timeout`. A broken connection, or three failed calls
 //! in a row, marks the store down: connections are dropped, calls go straight to the `on_error`
