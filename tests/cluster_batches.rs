@@ -1,7 +1,8 @@
 //! Decisions batched per node on a three-shard Redis Cluster: each worker sends the operations it
 //! queued for one node in one script call, whatever their tenants, as it does on one server. The
 //! budgets of tenants on different shards and a concurrency cap still hold exactly under concurrent
-//! load, with well under one script call per operation; and a tenant's slot migrated to another
+//! load (which prints its script calls per operation), calls queued while the nodes are busy share
+//! a few script calls; and a tenant's slot migrated to another
 //! node under load (the batches find it gone, the map is read again, its operations wait out the
 //! migration) spends the tenant's budget exactly once.
 
@@ -135,11 +136,47 @@ fn batched_decisions_hold_every_tenants_budget_and_a_cap_across_shards() {
         "every tenant's budget of {BURST} admitted exactly once: {admitted:?}"
     );
     assert!(most <= CAP, "{most} leases of one subject live at once");
-    // One server batches to a few hundredths; a cluster's batches are split three ways and the
-    // callers here are few, so a generous bound: well under one script call per operation.
+
+    // Every node stopped for 300 ms: the calls made meanwhile wait in the replica's lanes (one per
+    // worker and node) and go in a few script calls per node once the nodes answer again, each
+    // still decided on its own (every budget is spent: each is refused by its tenant's bucket).
+    let callers: u64 = 96;
+    let before: u64 = cluster.nodes().iter().map(script_calls).sum();
+    let statuses = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for n in cluster.nodes() {
+            n.pause();
+        }
+        for c in 0..callers {
+            let (d, statuses) = (&daemons[0], &statuses);
+            s.spawn(move || {
+                let a = d.admit(
+                    json!({"tenant": format!("t{}", c % TENANTS as u64), "subject": "s",
+                    "tool": "search", "max_wait_ms": 0}),
+                );
+                statuses
+                    .lock()
+                    .unwrap()
+                    .push((a.status, a.body["scope"].clone()));
+            });
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        for n in cluster.nodes() {
+            n.resume();
+        }
+    });
+    let made = cluster.nodes().iter().map(script_calls).sum::<u64>() - before;
+    let statuses = statuses.into_inner().unwrap();
+    println!("{callers} calls queued while the nodes were stopped: {made} script calls");
     assert!(
-        per < 0.8,
-        "{scripts} script calls for {operations} operations"
+        statuses
+            .iter()
+            .all(|(st, scope)| *st == 429 && scope == "tenant"),
+        "{statuses:?}"
+    );
+    assert!(
+        made <= callers / 3,
+        "{callers} calls queued together took {made} script calls"
     );
 }
 

@@ -261,10 +261,11 @@ fn commands_per_shard() {
         let scripts_before: u64 = script_calls(&cluster).iter().sum();
         let admitted = AtomicU64::new(0);
         let next = AtomicU64::new(0);
+        let other = std::sync::Mutex::new(Vec::<String>::new());
         let started = std::time::Instant::now();
         std::thread::scope(|s| {
             for _ in 0..CLIENTS {
-                let (admitted, next, daemons) = (&admitted, &next, &daemons);
+                let (admitted, next, daemons, other) = (&admitted, &next, &daemons, &other);
                 s.spawn(move || loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
                     if k >= CALLS {
@@ -273,8 +274,14 @@ fn commands_per_shard() {
                     let h = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
                     let body = json!({"tenant": format!("t{}", h % 1000),
                         "subject": format!("s{}", (h / 1000) % 20), "tool": "search"});
-                    if daemons[k as usize % 3].admit(body).status == 200 {
+                    let a = daemons[k as usize % 3].admit(body);
+                    if a.status == 200 {
                         admitted.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        let mut other = other.lock().unwrap();
+                        if other.len() < 3 {
+                            other.push(format!("{} {}", a.status, a.body));
+                        }
                     }
                 });
             }
@@ -298,5 +305,8 @@ fn commands_per_shard() {
             per,
             per.iter().sum::<f64>()
         );
+        for o in other.into_inner().unwrap() {
+            println!("  not admitted: {o}");
+        }
     }
 }
