@@ -237,13 +237,17 @@ fn commands(cluster: &RedisCluster) -> Vec<u64> {
 }
 
 /// The hot-shard measurement of docs/BENCHMARKS.md: three replicas on a three-shard cluster, the
-/// limits of benches/throughput.toml (nothing is shed), 1 000 tenants × 20 subjects, admit only;
-/// slices off and on, alternating. Prints each shard's commands per admission and their spread.
+/// limits of benches/throughput.toml (nothing is shed), 1 000 tenants × 20 subjects, 64 callers at
+/// once, admit only;
+/// slices off and on, alternating. Prints the script calls per admission (every shard's), each
+/// shard's commands per admission and their spread.
 /// `cargo test --release --test slices -- --ignored --nocapture commands_per_shard`
 #[test]
 #[ignore = "a measurement, not a check"]
 fn commands_per_shard() {
     const CALLS: u64 = 6_000;
+    /// Callers at once, as the throughput workload's 64 connections.
+    const CLIENTS: usize = 64;
     let limits = include_str!("../benches/throughput.toml");
     let cluster = RedisCluster::start(3);
     for round in 0..4 {
@@ -254,12 +258,14 @@ fn commands_per_shard() {
         );
         let daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
         let before = commands(&cluster);
+        let scripts_before: u64 = script_calls(&cluster).iter().sum();
         let admitted = AtomicU64::new(0);
         let next = AtomicU64::new(0);
+        let other = std::sync::Mutex::new(Vec::<String>::new());
         let started = std::time::Instant::now();
         std::thread::scope(|s| {
-            for _ in 0..16 {
-                let (admitted, next, daemons) = (&admitted, &next, &daemons);
+            for _ in 0..CLIENTS {
+                let (admitted, next, daemons, other) = (&admitted, &next, &daemons, &other);
                 s.spawn(move || loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
                     if k >= CALLS {
@@ -268,14 +274,21 @@ fn commands_per_shard() {
                     let h = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
                     let body = json!({"tenant": format!("t{}", h % 1000),
                         "subject": format!("s{}", (h / 1000) % 20), "tool": "search"});
-                    if daemons[k as usize % 3].admit(body).status == 200 {
+                    let a = daemons[k as usize % 3].admit(body);
+                    if a.status == 200 {
                         admitted.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        let mut other = other.lock().unwrap();
+                        if other.len() < 3 {
+                            other.push(format!("{} {}", a.status, a.body));
+                        }
                     }
                 });
             }
         });
         let elapsed = started.elapsed();
         let admitted = admitted.into_inner() as f64;
+        let scripts = (script_calls(&cluster).iter().sum::<u64>() - scripts_before) as f64;
         let per: Vec<f64> = commands(&cluster)
             .iter()
             .zip(&before)
@@ -287,9 +300,13 @@ fn commands_per_shard() {
             .map(|p| (p - mean) / mean * 100.0)
             .fold(0.0f64, |m, d| m.max(d.abs()));
         println!(
-            "slice = {slice:>5}: {admitted} admitted in {elapsed:.1?}; commands per admission by shard {:.2?}, total {:.2}, largest deviation from the mean {spread:.0}%",
+            "slice = {slice:>5}: {admitted} admitted in {elapsed:.1?}; script calls per admission {:.3}; commands per admission by shard {:.2?}, total {:.2}, largest deviation from the mean {spread:.0}%",
+            scripts / admitted,
             per,
             per.iter().sum::<f64>()
         );
+        for o in other.into_inner().unwrap() {
+            println!("  not admitted: {o}");
+        }
     }
 }

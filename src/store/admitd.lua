@@ -1,3 +1,4 @@
+#!lua flags=allow-cross-slot-keys
 -- admitd's shared-store script: every state change of an admission decision, run atomically inside
 -- Redis. Loaded once per connection and called by its SHA (EVALSHA; reloaded on NOSCRIPT).
 --
@@ -8,6 +9,14 @@
 -- own operation only). Every key the script touches is named in the spec; KEYS[1] is one of them,
 -- so that Redis Cluster routes the call to the shard that holds them all (every key of one call
 -- shares one hash tag).
+--
+-- The first line declares the script's flags, which needs Redis 7.0 or newer: `allow-cross-slot-keys`
+-- lets a cluster node's batch (`routed`, at the end) touch the slots of several tenants. A script
+-- that declares flags gets Redis 7's defaults for the others, where one without that line was
+-- checked command by command: Redis refuses the whole call before it runs when it is out of memory
+-- (no `allow-oom`) or a replica (no `no-writes`, no `allow-stale`), where a script without flags
+-- failed at its first write. Either way admitd sees a script error, and now no operation of the
+-- call ran in part.
 --
 -- Time is the store's own (TIME, read once per script call), in microseconds since the Unix epoch,
 -- so replicas whose clocks disagree still enforce one limit. Microseconds keep every instant exact
@@ -1081,6 +1090,40 @@ local function run(name, body, data)
   if f == nil then return redis.error_reply('admitd: unknown operation ' .. tostring(name)) end
   spec, extra = cjson.decode(body), data or ''
   return f()
+end
+
+-- A Redis Cluster node's batch (src/store/nodes.rs): quadruples (probe, operation, spec, lease data)
+-- of any tenants whose slots the node serves, no key declared (the `allow-cross-slot-keys` flag of
+-- the first line lets one script call touch several slots of its node). Before an operation runs,
+-- its probe (a key of its hash tag that admitd never writes) is looked up, once per probe and call:
+-- on a node that does not serve the slot now (moved, being migrated away or in, the cluster down)
+-- Redis refuses that lookup, and the operation answers {'elsewhere', why} without having read or
+-- written anything, for admitd to send it where the slot is. A lookup that passes keeps every key
+-- of the slot on this node until the script call ends.
+if op == 'routed' then
+  local out, here = {}, {}
+  for i = 2, #ARGV, 4 do
+    local probe = ARGV[i]
+    if here[probe] == nil then
+      local ok, e = pcall(redis.call, 'EXISTS', probe)
+      if ok then here[probe] = true
+      else here[probe] = tostring(type(e) == 'table' and e.err or e) end
+    end
+    local r
+    if here[probe] ~= true then
+      r = {'elsewhere', here[probe]}
+    else
+      local ok
+      ok, r = pcall(run, ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+      if not ok or (type(r) == 'table' and r.err) then
+        if type(r) == 'table' and r.err then r = r.err end
+        r = {'error', tostring(r)}
+      end
+    end
+    out[#out + 1] = r
+  end
+  flush()
+  return out
 end
 
 if op == 'batch' then

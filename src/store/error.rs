@@ -59,7 +59,7 @@ pub(super) fn connection_config(limit: Duration) -> redis::AsyncConnectionConfig
 }
 
 /// A Redis client error as the store's.
-fn store_error(e: redis::RedisError) -> StoreError {
+pub(super) fn store_error(e: redis::RedisError) -> StoreError {
     if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
         StoreError::Connection(e.to_string())
     } else if e.is_timeout() {

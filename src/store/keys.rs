@@ -28,6 +28,14 @@ impl Keys {
         format!("{}:{{t:{tenant}}}", self.prefix)
     }
 
+    /// A key of `key`'s hash tag that admitd never writes (`PREFIX~{TAG}`: every key of the fleet
+    /// starts `PREFIX:`). On a Redis Cluster the script looks it up before an operation of a node's
+    /// batch, which Redis refuses on a node that does not serve the tag's slot now
+    /// ([`super::nodes`]); a key that exists would pass on a node it was not yet migrated away from.
+    pub fn probe(&self, key: &str) -> String {
+        format!("{}~{{{}}}", self.prefix, hash_tag(key))
+    }
+
     /// The part every cross-tenant key starts with.
     pub fn cross_base(&self) -> String {
         format!("{}:{{x}}", self.prefix)
@@ -154,6 +162,22 @@ mod tests {
             assert!(key.cross_tenant(), "{key:?}");
             assert_eq!(hash_tag(&k.key("acme", key)), "x", "{key:?}");
         }
+    }
+
+    #[test]
+    fn a_probe_shares_its_keys_slot_and_is_no_key_of_the_fleet() {
+        let k = Keys::new("admitd");
+        for key in [
+            k.tenant_base("acme"),
+            k.hash("a}b"),
+            k.key("acme", &StateKey::GlobalBucket(Some(Arc::from("route")))),
+            format!("{}:route", k.cross_base()),
+        ] {
+            let probe = k.probe(&key);
+            assert_eq!(hash_tag(&probe), hash_tag(&key), "{key}");
+            assert!(!probe.starts_with("admitd:"), "{probe}");
+        }
+        assert_eq!(k.probe(&k.hash("acme")), "admitd~{t:acme}");
     }
 
     #[test]

@@ -1,13 +1,13 @@
-//! A worker's lane to one Redis server: a connection of the worker's own, driven on its thread, and
-//! the batcher that sends the worker's operations on it. One script call carries every operation
-//! the worker queued while the previous calls ran (up to [`MAX_BATCH`]), so under load the per-call
-//! costs on both sides are paid once per batch, and an answer wakes the worker that waits for it
-//! with no other thread between.
+//! A worker's lane to one Redis server (on a Redis Cluster, one per node): a connection of the
+//! worker's own, driven on its thread, and the batcher that sends the worker's operations on it.
+//! One script call carries every operation the worker queued while the previous calls ran (up to
+//! [`MAX_BATCH`]), so under load the per-call costs on both sides are paid once per batch, and an
+//! answer wakes the worker that waits for it with no other thread between.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::error::{connection_config, within, StoreError};
+use super::error::{connection_config, store_error, StoreError};
 
 /// The most operations one script call carries (see [`Lanes::lane`]): a batch keeps Redis
 /// busy for about this many decisions, so this also bounds how long one batch delays others.
@@ -15,11 +15,44 @@ const MAX_BATCH: usize = 32;
 
 /// An operation waiting for its lane's batcher.
 pub(super) struct Queued {
+    /// On one server, the key the script call declares (the first operation's); on a cluster, the
+    /// key the script looks up first to check that the node serves the operation's slot
+    /// ([`super::keys::Keys::probe`]).
     pub(super) route: String,
     pub(super) op: &'static str,
     pub(super) spec: String,
     pub(super) data: String,
-    pub(super) answer: tokio::sync::oneshot::Sender<Result<redis::Value, StoreError>>,
+    pub(super) answer: tokio::sync::oneshot::Sender<Reply>,
+}
+
+/// What became of a queued operation.
+pub(super) enum Reply {
+    /// It ran (or failed) on the node: its answer.
+    Done(Result<redis::Value, StoreError>),
+    /// On a cluster, it did not run: the node does not serve its slot now (`why`, Redis's word).
+    /// Its spec and data come back to be sent where the slot is.
+    Elsewhere {
+        why: String,
+        spec: String,
+        data: String,
+    },
+    /// It was not sent: the lane could not connect.
+    Unsent {
+        error: StoreError,
+        spec: String,
+        data: String,
+    },
+}
+
+impl Reply {
+    /// The answer, where a lane that could not connect is a connection error (one server).
+    pub(super) fn answer(self) -> Result<redis::Value, StoreError> {
+        match self {
+            Reply::Done(r) => r,
+            Reply::Unsent { error, .. } => Err(error),
+            Reply::Elsewhere { why, .. } => Err(StoreError::Script(why)),
+        }
+    }
 }
 
 /// The lanes of one store: how each worker's lane connects and sends. The store owns one
@@ -31,13 +64,18 @@ pub(super) struct Lanes {
     in_flight: usize,
     /// How long a lane's connection may take to open.
     connect_limit: Duration,
+    /// A Redis Cluster: each batch is the script's `routed` one, declaring no key, each operation
+    /// with the key that proves its node serves its slot ([`super::nodes`]).
+    routed: bool,
 }
 
 /// A worker thread's way to one server: a connection of its own, driven on that thread, and the
 /// queue of its batcher (see [`Lanes::lane`]).
 struct Lane {
-    /// The lanes it belongs to (their address) and the connection generation it was made in.
+    /// The lanes it belongs to (their address), the node it goes to (`""` on one server) and the
+    /// connection generation it was made in.
     store: usize,
+    node: Arc<str>,
     generation: u64,
     queue: tokio::sync::mpsc::UnboundedSender<Queued>,
 }
@@ -47,33 +85,42 @@ thread_local! {
 }
 
 impl Lanes {
-    pub(super) fn new(script: redis::Script, pool_size: usize, timeout: Duration) -> Self {
+    pub(super) fn new(
+        script: redis::Script,
+        pool_size: usize,
+        timeout: Duration,
+        routed: bool,
+    ) -> Self {
         Lanes {
             script,
             in_flight: pool_size.max(2),
             connect_limit: Duration::from_secs(1).max(timeout),
+            routed,
         }
     }
 
-    /// Queues an operation on this worker's lane, making the lane first if the worker has none for
-    /// this connection generation (or its lane ended). False when the lane cannot take it.
+    /// Queues an operation on this worker's lane to `node` (`""` on one server), making the lane
+    /// first if the worker has none for this connection generation (or its lane ended). False when
+    /// the lane cannot take it.
     pub(super) fn enqueue(
         self: &Arc<Self>,
         client: &redis::Client,
         generation: u64,
+        node: &str,
         q: Queued,
     ) -> bool {
         let id = Arc::as_ptr(self) as usize;
         LANES.with(|lanes| {
             let mut lanes = lanes.borrow_mut();
             lanes.retain(|l| l.store != id || (l.generation == generation && !l.queue.is_closed()));
-            let i = match lanes.iter().position(|l| l.store == id) {
+            let i = match lanes.iter().position(|l| l.store == id && &*l.node == node) {
                 Some(i) => i,
                 None => {
                     let (queue, rx) = tokio::sync::mpsc::unbounded_channel();
                     tokio::spawn(Arc::clone(self).lane(client.clone(), rx));
                     lanes.push(Lane {
                         store: id,
+                        node: Arc::from(node),
                         generation,
                         queue,
                     });
@@ -113,7 +160,11 @@ impl Lanes {
                 };
                 queue.close();
                 while let Ok(q) = queue.try_recv() {
-                    let _ = q.answer.send(Err(e.clone()));
+                    let _ = q.answer.send(Reply::Unsent {
+                        error: e.clone(),
+                        spec: q.spec,
+                        data: q.data,
+                    });
                 }
                 return;
             }
@@ -146,17 +197,52 @@ impl Lanes {
     }
 
     /// Sends a batch as one script call (`batch`, even of one operation: an error then answers for
-    /// its own operation only, as in a larger batch) and hands each operation its answer.
+    /// its own operation only, as in a larger batch; on a cluster `routed`) and hands each operation
+    /// its answer.
     async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, batch: Vec<Queued>) {
-        let mut inv = self.script.key(&batch[0].route);
-        inv.arg("batch");
-        for q in &batch {
-            inv.arg(q.op).arg(&q.spec).arg(&q.data);
-        }
-        match within(IN_FLIGHT_LIMIT, inv.invoke_async(&mut con)).await {
+        let inv = if self.routed {
+            let mut inv = self.script.arg("routed");
+            for q in &batch {
+                inv.arg(&q.route).arg(q.op).arg(&q.spec).arg(&q.data);
+            }
+            inv
+        } else {
+            let mut inv = self.script.key(&batch[0].route);
+            inv.arg("batch");
+            for q in &batch {
+                inv.arg(q.op).arg(&q.spec).arg(&q.data);
+            }
+            inv
+        };
+        let sent = match tokio::time::timeout(IN_FLIGHT_LIMIT, inv.invoke_async(&mut con)).await {
+            Err(_) => Err(StoreError::Timeout),
+            Ok(Err(e)) if self.routed && refused_here(&e) => {
+                // Refused whole before it ran (a node that became a replica, say): every operation
+                // goes where the map says.
+                let why = e.to_string();
+                for q in batch {
+                    let _ = q.answer.send(Reply::Elsewhere {
+                        why: why.clone(),
+                        spec: q.spec,
+                        data: q.data,
+                    });
+                }
+                return;
+            }
+            Ok(r) => r.map_err(store_error),
+        };
+        match sent {
             Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
                 for (q, item) in batch.into_iter().zip(items) {
-                    let _ = q.answer.send(batch_item(item));
+                    let reply = match batch_item(item) {
+                        Item::Done(r) => Reply::Done(r),
+                        Item::Elsewhere(why) => Reply::Elsewhere {
+                            why,
+                            spec: q.spec,
+                            data: q.data,
+                        },
+                    };
+                    let _ = q.answer.send(reply);
                 }
             }
             other => {
@@ -165,11 +251,20 @@ impl Lanes {
                     Ok(v) => StoreError::Script(format!("unexpected answer to a batch: {v:?}")),
                 };
                 for q in batch {
-                    let _ = q.answer.send(Err(e.clone()));
+                    let _ = q.answer.send(Reply::Done(Err(e.clone())));
                 }
             }
         }
     }
+}
+
+/// Whether Redis refused a whole script call before running it because the node does not serve
+/// what it was sent (on a cluster).
+fn refused_here(e: &redis::RedisError) -> bool {
+    matches!(
+        e.code(),
+        Some("MOVED" | "ASK" | "TRYAGAIN" | "CROSSSLOT" | "CLUSTERDOWN" | "READONLY")
+    )
 }
 
 /// How long a lane's script call keeps its place in flight without an answer. Not the store's
@@ -179,18 +274,29 @@ impl Lanes {
 /// bound (a Redis that never answers), the lane sends again.
 const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(10);
 
-/// One operation's answer in a batch: what it returned, or `{'error', message}` when it failed.
-fn batch_item(v: redis::Value) -> Result<redis::Value, StoreError> {
+/// One operation's answer in a batch.
+enum Item {
+    Done(Result<redis::Value, StoreError>),
+    /// `{'elsewhere', why}`: on a cluster, the node does not serve its slot now; it did not run.
+    Elsewhere(String),
+}
+
+/// One operation's answer in a batch: what it returned, `{'error', message}` when it failed, or
+/// `{'elsewhere', message}` when it did not run.
+fn batch_item(v: redis::Value) -> Item {
     if let redis::Value::Array(parts) = &v {
         if let [redis::Value::BulkString(tag), rest @ ..] = parts.as_slice() {
-            if tag == b"error" {
+            if tag == b"error" || tag == b"elsewhere" {
                 let why = rest
                     .first()
                     .and_then(|m| redis::from_redis_value::<String>(m.clone()).ok())
                     .unwrap_or_default();
-                return Err(StoreError::Script(why));
+                if tag == b"elsewhere" {
+                    return Item::Elsewhere(why);
+                }
+                return Item::Done(Err(StoreError::Script(why)));
             }
         }
     }
-    Ok(v)
+    Item::Done(Ok(v))
 }

@@ -20,6 +20,7 @@ mod cross;
 mod error;
 pub mod keys;
 mod lane;
+mod nodes;
 pub mod redis;
 pub mod script;
 pub mod slices;

@@ -1,14 +1,13 @@
 //! The Redis store: admission state shared by every replica that points at the same Redis (or Redis
 //! Cluster), decided by one server-side script per call (`admitd.lua`).
 //!
-//! On one server, each worker thread sends its decisions and releases on a connection of its own,
-//! driven on that worker (its *lane*): the operations queued while Redis runs a batch go together
-//! in the next script call, so under load a script call carries many decisions and an answer wakes
-//! the worker that waits for it with no other thread between. The store's own thread
-//! (`admitd-store`, a single-threaded tokio runtime) connects, probes a store that went down, and
-//! carries snapshots on `pool_size` connections; in a Redis Cluster it carries every call (one
-//! script call per operation, routed to the shard of its keys), pipelined on the cluster
-//! connection.
+//! Each worker thread sends its decisions and releases on a connection of its own, driven on that
+//! worker (its *lane*; in a Redis Cluster, one per node, see [`super::nodes`]): the operations
+//! queued while Redis runs a batch go together in the next script call, so under load a script
+//! call carries many decisions and an answer wakes the worker that waits for it with no other
+//! thread between. The store's own thread (`admitd-store`, a single-threaded tokio runtime)
+//! connects, probes a store that went down, and carries snapshots on `pool_size` connections (in a
+//! cluster, on the cluster client, which also reads the slot map).
 //!
 //! Failures: every call is bounded by `[store] timeout`. A broken connection, or three failed calls
 //! in a row, marks the store down: connections are dropped, calls go straight to the `on_error`
@@ -32,6 +31,7 @@ use serde_json::{json, Value};
 use super::error::{connection_config, within, StoreError};
 use super::keys::{hash_tag, Keys};
 use super::lane::{Lanes, Queued};
+use super::nodes::Nodes;
 use super::slices::Slices;
 use super::spec::{self, merge, parse_decide, strings, Part};
 use super::StoreMode;
@@ -64,7 +64,12 @@ enum Conns {
         pool: Vec<redis::aio::MultiplexedConnection>,
         generation: u64,
     },
-    Cluster(redis::cluster_async::ClusterConnection),
+    /// A Redis Cluster: the cluster client (the slot map, snapshots, probes) and the generation its
+    /// lanes are made in (each worker's lane per node, see [`super::nodes`]).
+    Cluster {
+        client: redis::cluster_async::ClusterConnection,
+        generation: u64,
+    },
 }
 
 /// What a release did in the store.
@@ -94,8 +99,10 @@ pub struct RedisStore {
     pub(super) cfg: StoreConfig,
     pub(super) keys: Keys,
     pub(super) script: redis::Script,
-    /// Each worker's lane on one server (not used in a cluster).
-    lanes: Arc<Lanes>,
+    /// Each worker's lane to the server, or to each node of a cluster.
+    pub(super) lanes: Arc<Lanes>,
+    /// Which node of a cluster serves which slot.
+    pub(super) nodes: Nodes,
     conns: ArcSwapOption<Conns>,
     up: AtomicBool,
     failures: AtomicU32,
@@ -158,7 +165,9 @@ impl RedisStore {
                 redis::Script::new(script),
                 cfg.pool_size,
                 cfg.timeout,
+                cfg.cluster,
             )),
+            nodes: Nodes::default(),
             conns: ArcSwapOption::empty(),
             up: AtomicBool::new(false),
             failures: AtomicU32::new(0),
@@ -233,8 +242,8 @@ impl RedisStore {
                 Conns::Single { pool, .. } => {
                     within(IDLE_PING_LIMIT, ping.query_async(&mut pool[0].clone())).await
                 }
-                Conns::Cluster(c) => {
-                    within(IDLE_PING_LIMIT, ping.query_async(&mut c.clone())).await
+                Conns::Cluster { client, .. } => {
+                    within(IDLE_PING_LIMIT, ping.query_async(&mut client.clone())).await
                 }
             };
             drop(conns);
@@ -262,7 +271,13 @@ impl RedisStore {
                 .await
                 .map_err(|_| "connecting timed out".to_string())?
                 .map_err(|e| e.to_string())?;
-            Conns::Cluster(c)
+            // Where each slot is, for the lanes: known before the store counts as up.
+            let seen = self.nodes.map().map_or(0, |m| m.epoch());
+            self.read_map(&c, seen).await?;
+            Conns::Cluster {
+                client: c,
+                generation: self.generation.fetch_add(1, Ordering::AcqRel) + 1,
+            }
         } else {
             let url = urls.first().cloned().unwrap_or_default();
             let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
@@ -288,7 +303,7 @@ impl RedisStore {
         let ping = redis::cmd("PING");
         let pong: Result<String, redis::RedisError> = match &*conns {
             Conns::Single { pool, .. } => ping.query_async(&mut pool[0].clone()).await,
-            Conns::Cluster(c) => ping.query_async(&mut c.clone()).await,
+            Conns::Cluster { client, .. } => ping.query_async(&mut client.clone()).await,
         };
         pong.map_err(|e| e.to_string())?;
         self.answered();
@@ -410,9 +425,10 @@ impl RedisStore {
         }
     }
 
-    /// One operation of the script, bounded by the timeout. On one server it goes on the calling
-    /// worker's lane ([`super::lane`]), batched with the worker's other operations; a cluster
-    /// gets one script call per operation, routed by `route` to the shard of its keys.
+    /// One operation of the script, bounded by the timeout. It goes on the calling worker's lane
+    /// ([`super::lane`]), batched with the worker's other operations: on one server its only lane,
+    /// on a cluster its lane to the node that serves `route`'s slot ([`super::nodes`]). Snapshots
+    /// go on the store's own connections (on a cluster, the cluster client, routed by `route`).
     pub(super) async fn invoke(
         self: &Arc<Self>,
         route: &str,
@@ -436,7 +452,7 @@ impl RedisStore {
                     data,
                     answer,
                 };
-                let sent = self.lanes.enqueue(client, *generation, queued);
+                let sent = self.lanes.enqueue(client, *generation, "", queued);
                 drop(conns);
                 if sent {
                     match tokio::time::timeout(self.cfg.timeout, answered).await {
@@ -444,11 +460,17 @@ impl RedisStore {
                         Ok(Err(_)) => Err(StoreError::Connection(
                             "the connection ended with the call".into(),
                         )),
-                        Ok(Ok(r)) => r,
+                        Ok(Ok(r)) => r.answer(),
                     }
                 } else {
                     Err(StoreError::Connection("the connection has ended".into()))
                 }
+            }
+            Conns::Cluster { client, generation } if op != "snapshot" => {
+                let (client, generation) = (client.clone(), *generation);
+                drop(conns);
+                self.routed(&client, generation, route, op, spec, data)
+                    .await
             }
             _ => {
                 let mut inv = self.script.key(route);
@@ -459,7 +481,9 @@ impl RedisStore {
                             let i = self.next.fetch_add(1, Ordering::Relaxed) % pool.len();
                             inv.invoke_async::<redis::Value>(&mut pool[i].clone()).await
                         }
-                        Conns::Cluster(c) => inv.invoke_async::<redis::Value>(&mut c.clone()).await,
+                        Conns::Cluster { client, .. } => {
+                            inv.invoke_async::<redis::Value>(&mut client.clone()).await
+                        }
                     }
                 };
                 within(self.cfg.timeout, call).await
