@@ -17,7 +17,8 @@ const MAX_BATCH: usize = 32;
 pub(super) struct Queued {
     pub(super) route: String,
     pub(super) op: &'static str,
-    pub(super) spec: String,
+    /// JSON, or MessagePack for `decide` (see `spec::decide_spec`).
+    pub(super) spec: Vec<u8>,
     pub(super) data: String,
     pub(super) answer: tokio::sync::oneshot::Sender<Result<redis::Value, StoreError>>,
 }

@@ -416,9 +416,10 @@ impl RedisStore {
         self: &Arc<Self>,
         route: &str,
         op: &'static str,
-        spec: String,
+        spec: impl Into<Vec<u8>>,
         data: String,
     ) -> Result<redis::Value, StoreError> {
+        let spec = spec.into();
         let Some(conns) = self.conns.load_full() else {
             return Err(StoreError::Connection(self.last_error.lock().clone()));
         };
