@@ -62,8 +62,8 @@ def decision(tenant, subject, lease):
     spec = [True, h, base + ':ls', 'l:' + idh, m, subject, 'tool0', 1, 0, 10e6, False, False, 0.5, 1000,
             120e6, None, '[0,0,0]', lease & 0xff < 4, lease & 0xf == 0, len(layers)]
     for k, fp in layers:
-        spec += [None if k == h else k, fp + 'tat', fp + 'p', 0.1, 1e7, 1, True, None, 120e6, 1e6, 0, 0, 0, 0, 0, 0, 0]
-    spec += [2, 's:%s|n' % subject, 1000000, True, 'cs:' + subject, 0, 't|n', 1000000, False, 'ct', 0]
+        spec += [None if k == h else k, fp + 'tat', None, 0.1, 1e7, 1, True, None, 120e6, 1e6, 0, 0, 0, 0, 0, 0, 0]
+    spec += [2, 's:%s|n' % subject, 1000000, True, None, 0, 't|n', 1000000, False, None, 0]
     spec += [0, 0, 0, 0]
     data = {'subject': subject, 'tool': 'tool0', 'cost': 1, 'keys': [list(l) for l in layers],
             'quotas': [], 'm': m, 'up': []}

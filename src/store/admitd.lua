@@ -71,7 +71,7 @@ end
 -- Integral values (every instant and most durations: microseconds) print as integers, which costs
 -- a fraction of a 17-digit float; 2^53 bounds the doubles that are exact integers.
 local function fmt(x)
-  if x == floor(x) and x < 9e15 and x > -9e15 then return format('%d', x) end
+  if x % 1 == 0 and x < 9e15 and x > -9e15 then return format('%d', x) end
   return format('%.17g', x)
 end
 
@@ -128,7 +128,16 @@ local function mark(key, e)
 end
 
 local function load(key, fields)
-  local e = entry(key)
+  local e = cache[key]
+  if e == nil then
+    -- A hash not read yet in this script call: its fields as asked, its cursor with them.
+    e = entry(key)
+    local v = e.v
+    local got = redis.call('HMGET', key, 'x', unpack(fields))
+    v.x = got[1] or false
+    for i = 1, #fields do v[fields[i]] = got[i + 1] or false end
+    return e
+  end
   local v = e.v
   -- No list is made when every field is loaded already (a hash met again in a batch).
   local want
@@ -166,14 +175,26 @@ local function hnum(key, f, d)
   return v
 end
 
--- `v`: a string, a number (formatted once, when the script call writes its hashes) or nil.
-local function hput(key, f, v)
-  local e = entry(key)
-  -- A value the hash holds already (as read, or as written earlier in this script call) stays.
-  if v ~= nil and e.v[f] == v then return end
-  if v == nil then e.v[f] = false else e.v[f] = v end
-  e.d[f] = true
-  mark(key, e)
+-- `v`: a string, a number (formatted once, when the script call writes its hashes) or nil; `at`
+-- (optional): as `keep`. A value the hash holds already (as read, or as written earlier in this
+-- script call) is not written again. (A call of a C function such as `math.max`, or of a Lua one,
+-- costs the script about as much as formatting a number: the helpers called per layer and per
+-- field compare inline and call nothing they need not.)
+local function hput(key, f, v, at)
+  local e = cache[key] or entry(key)
+  local ev = e.v
+  if v == nil then
+    ev[f] = false
+    e.d[f] = true
+  elseif ev[f] ~= v then
+    ev[f] = v
+    e.d[f] = true
+  end
+  if at and at > e.need then e.need = at end
+  if not e.dirty then
+    e.dirty = true
+    dirty[#dirty + 1] = key
+  end
 end
 
 local function keep(key, at)
@@ -209,7 +230,7 @@ local function flush()
     if n > 0 then chunked('HSET', key, set) end
     if del then chunked('HDEL', key, del) end
     if push then expire_at(key, x) end
-    e.d, e.need, e.dirty = {}, 0, false
+    e.need, e.dirty = 0, false
   end
   dirty = {}
 end
@@ -277,10 +298,12 @@ local function stagger_cached(key, field, base, step, window)
 end
 
 local function whole_tokens(burst, T, tat)
-  local missing = max(tat - now, 0)
+  local missing = tat - now
+  if missing < 0 then missing = 0 end
   local tokens = burst - missing / T
   if tokens <= 0 then return 0 end
-  return floor(tokens + burst * 1e-12)
+  tokens = tokens + burst * 1e-12
+  return tokens - tokens % 1 -- floor
 end
 
 -- A decision's spec (`op_decide`) is a list `a` of MessagePack scalars in a fixed order, written by
@@ -291,12 +314,13 @@ end
 --   17 what each layer takes, as the lease keeps it (nil: the script writes it; a layer's rate
 --      moves with an AIMD multiplier)  18 sweep now (one call in 64)  19 trim the index now
 --   20 the number of layers, then each layer's LW values from its offset `o`:
---      o k (nil: the tenant's hash), +1 its `tat` field, +2 its promise field, +3 T, +4 b, +5 n, +6 hold, +7 its AIMD
+--      o k (nil: the tenant's hash), +1 its `tat` field, +2 its promise field (nil: its prefix +
+--      `p`), +3 T, +4 b, +5 n, +6 hold, +7 its AIMD
 --      state key (nil: none), +8 forget, +9 probe length, and the state `read_layers` sets in
 --      place (sent as 0): +10 T at the multiplier, +11 tau, +12 inc, +13 tat, +14 promise cursor,
 --      +15 shortfall, +16 multiplier
 -- then each list as its length and its items' values: concurrency scopes (CW values: `f cap sub
--- cursor` and the count, sent as 0), penalties `k layer step`, adaptive windows `k w K min step`,
+-- cursor` and the count, sent as 0; the hint cursor nil: `cs:SUBJECT` or `ct`), penalties `k layer step`, adaptive windows `k w K min step`,
 -- quotas `k q sub`, spend units `n t` followed by their budgets as a list of `k s run idle`. The
 -- last four are rare and made into tables. An absent string is nil.
 local LW, CW = 17, 5
@@ -320,13 +344,27 @@ local function read_layers(a, h, more)
   end
   if h ~= '' then load(h, more) end
   for o = FIRST, layer_end - 1, LW do
-    local m = multiplier(a[o + 7], a[o + 8] or forget, a[o + 9])
+    local m = 1
+    if a[o + 7] then m = multiplier(a[o + 7], a[o + 8] or forget, a[o + 9]) end
     local T = a[o + 3] / m
     local tau = a[o + 4] * T
-    local inc = floor(a[o + 5] * T)
-    local tat = hnum(a[o], a[o + 1], 0)
+    local inc = a[o + 5] * T
+    inc = inc - inc % 1 -- floor
+    -- The layer's `tat`, parsed once per script call (as `hnum`).
+    local v, f = cache[a[o]].v, a[o + 1]
+    local tat = v[f]
+    if tat then
+      tat = tat + 0
+      v[f] = tat
+    else
+      tat = 0
+    end
     a[o + 10], a[o + 11], a[o + 12], a[o + 13], a[o + 16] = T, tau, inc, tat, m
-    a[o + 15] = max(max(tat, now) + inc - (now + tau), 0)
+    local short = tat
+    if short < now then short = now end
+    short = short + inc - (now + tau)
+    if short < 0 then short = 0 end
+    a[o + 15] = short
   end
 end
 
@@ -334,8 +372,13 @@ end
 -- takes its tokens at once neither reads nor moves it; the hash already lives past it: the expiry
 -- of a hash only moves forward, and it was pushed past the cursor when the cursor was written).
 local function promise(a, o)
-  load(a[o], {a[o + 2]})
-  local p = hnum(a[o], a[o + 2], 0)
+  local f = a[o + 2]
+  if f == nil then
+    f = sub(a[o + 1], 1, -4) .. 'p'
+    a[o + 2] = f
+  end
+  load(a[o], {f})
+  local p = hnum(a[o], f, 0)
   a[o + 14] = p
   return p
 end
@@ -347,9 +390,14 @@ local function layer_report(a, r, taken)
   local n = #r
   for o = FIRST, layer_end - 1, LW do
     local tat = a[o + 13]
-    if taken then tat = max(tat, now) + a[o + 12] end
+    if taken then
+      if tat < now then tat = now end
+      tat = tat + a[o + 12]
+    end
+    local reset = tat - now
+    if reset < 0 then reset = 0 end
     r[n + 1] = whole_tokens(a[o + 4], a[o + 10], tat)
-    r[n + 2] = floor(max(tat - now, 0))
+    r[n + 2] = reset - reset % 1
     n = n + 2
   end
   return r
@@ -368,9 +416,14 @@ local function write_lease(a, day, hold_until, incs, flags, ends, member)
   if hold_until ~= now then hu = fmt(hold_until) end
   hput(h, a[4], day .. '|' .. hu .. '|' .. NOW .. '|' .. e .. '|' .. incs .. '|' .. flags .. '|' .. extra)
   keep(h, ends + GRACE)
-  redis.call('ZADD', z, e, member, '+inf', '~')
   load(h, Z)
   local pushed = hnum(h, 'z', 0)
+  if pushed > now then
+    -- The set lives until `pushed`, its sentinel with it (nothing takes the sentinel out).
+    redis.call('ZADD', z, e, member)
+  else
+    redis.call('ZADD', z, e, member, '+inf', '~')
+  end
   local nz = keep_until(z, ends + GRACE, pushed)
   if nz ~= pushed then hput(h, 'z', nz) end
 end
@@ -653,8 +706,15 @@ local function op_decide()
   -- id's last two hex digits, `a[18]`) to bound the set.
   if own then
     local full = false
+    local v = cache[h].v
     for c = conc0, conc_end - 1, CW do
-      local n = hnum(h, a[c], 0)
+      local n = v[a[c]]
+      if n then
+        n = n + 0
+        v[a[c]] = n
+      else
+        n = 0
+      end
       a[c + 4] = n
       if n >= a[c + 1] then full = true end
     end
@@ -695,7 +755,8 @@ local function op_decide()
       -- slots free), each a margin after the end it waits for: the release travels too.
       local margin = min(max(run * 0.05, 20e3), 250e3)
       local step = max((run + margin) / cap, 1e3)
-      local wait = stagger_cached(h, a[c + 3], earliest + margin, step, HORIZON) - now
+      local cursor = a[c + 3] or (scoped and 'cs:' .. a[6] or 'ct')
+      local wait = stagger_cached(h, cursor, earliest + margin, step, HORIZON) - now
       return shed(a, 'concurrency', wait, 0, scoped and 0 or 1, 0)
     end
   end
@@ -759,9 +820,10 @@ local function op_decide()
 
   local ends = now + hold + a[10]
   for o = FIRST, layer_end - 1, LW do
-    local tat = max(a[o + 13], now) + a[o + 12]
-    hput(a[o], a[o + 1], tat)
-    keep(a[o], tat + GRACE)
+    local tat = a[o + 13]
+    if tat < now then tat = now end
+    tat = tat + a[o + 12]
+    hput(a[o], a[o + 1], tat, tat + GRACE)
   end
   for _, q in ipairs(quotas) do
     redis.call('HINCRBYFLOAT', q.k, DAYS, fmt(a[8]))

@@ -163,9 +163,10 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
             p.str(k);
         }
         p.str(&format!("{fp}tat"));
+        // The promise cursor's field: the script names the usual one (`{fp}p`) itself.
         match &l.key {
             StateKey::SharedUpstreamBucket(_) => p.str(&format!("{fp}{}", promise_field(tenant))),
-            _ => p.str(&format!("{fp}p")),
+            _ => p.nil(),
         }
         for x in [l.t_us, l.burst, l.tokens] {
             p.num(x);
@@ -187,12 +188,9 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         p.str(&Keys::slots_field(&c.key));
         p.num(f64::from(c.cap));
         p.bool(c.subject);
-        // The hint cursor of the scope, in the tenant's hash.
-        if c.subject {
-            p.str(&format!("cs:{}", call.subject));
-        } else {
-            p.str("ct");
-        }
+        // The hint cursor of the scope, in the tenant's hash: the script names it (`cs:SUBJECT`
+        // or `ct`), on a refusal.
+        p.nil();
         p.num(0.0);
     }
     let penalties: Vec<_> = call.penalties.iter().filter(|x| keep(&x.key)).collect();
