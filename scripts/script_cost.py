@@ -13,7 +13,7 @@ script ran per decision (INFO commandstats).
     python3 scripts/script_cost.py --script X.lua --calls 50
     python3 scripts/script_cost.py --warm 200      # keys seen before: a busy fleet's steady state
 """
-import argparse, glob, json, os, random, socket, struct, subprocess, tempfile, time
+import argparse, glob, os, random, socket, struct, subprocess, tempfile, time
 
 def enc(*args):
     out = [b'*%d\r\n' % len(args)]
@@ -43,13 +43,16 @@ class Redis:
         raise RuntimeError('unexpected answer %r' % line)
 
 def mp(*items):
-    """MessagePack scalars, as src/store/spec.rs writes a decision's spec."""
+    """MessagePack, as src/store/spec.rs writes a decision's spec (scalars) and its lease data (a map)."""
     out = []
     for x in items:
         if x is None: out.append(b'\xc0')
         elif x is True: out.append(b'\xc3')
         elif x is False: out.append(b'\xc2')
         elif isinstance(x, (int, float)): out.append(b'\xcb' + struct.pack('>d', x))
+        elif isinstance(x, list): out.append(bytes([0x90 | len(x)]) + mp(*x))
+        elif isinstance(x, dict):
+            out.append(bytes([0x80 | len(x)]) + b''.join(mp(k, v) for k, v in x.items()))
         else:
             b = x.encode()
             out.append((bytes([0xa0 | len(b)]) if len(b) < 32 else b'\xd9' + bytes([len(b)])) + b)
@@ -67,7 +70,7 @@ def decision(tenant, subject, lease):
     spec += [0, 0, 0, 0]
     data = {'subject': subject, 'tool': 'tool0', 'cost': 1, 'keys': [list(l) for l in layers],
             'quotas': [], 'm': m, 'up': []}
-    return mp(*spec), json.dumps(data)
+    return mp(*spec), mp(data)
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))

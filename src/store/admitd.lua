@@ -911,11 +911,32 @@ local function refund(incs)
   end
 end
 
+-- What a lease keeps for its release: a MessagePack map (JSON from a version before it).
+local function lease_data(d)
+  if sub(d, 1, 1) == '{' then return cjson.decode(d) end
+  return mp_unpack(d)
+end
+
+-- The spec of `release`: MessagePack scalars `h z id refund report limited retry_after
+-- default_penalty duration cancel cost` (cost nil: the admission's stands), then the number of spend
+-- units whose actual figure the release reports, and each one's name and figure.
+local function release_spec(body)
+  local a = {mp_unpack(body)}
+  local s = {h = a[1], z = a[2], id = a[3], refund = a[4], report = a[5], limited = a[6],
+    retry_after = a[7], default_penalty = a[8], duration = a[9], cancel = a[10], cost = a[11]}
+  if a[12] > 0 then
+    local spent = {}
+    for i = 13, 12 + 2 * a[12], 2 do spent[a[i]] = a[i + 1] end
+    s.spent = spent
+  end
+  return s
+end
+
 local function op_release()
   local h = spec.h
   local l = read_lease(h, spec.id)
   if not l then return {'unknown'} end
-  local d = cjson.decode(l.d)
+  local d = lease_data(l.d)
   hput(h, 'l:' .. spec.id, nil)
   if redis.call('ZREM', spec.z, d.m) == 1 then count(h, d.m, -1) end
   local incs = {}
@@ -1103,7 +1124,7 @@ local function extend(ttl)
   local l = read_lease(h, spec.id)
   if not l then return nil end
   local ends = max(now, tonumber(l.hold_until) or now) + ttl
-  local ok, data = pcall(cjson.decode, l.d)
+  local ok, data = pcall(lease_data, l.d)
   if ok and type(data) == 'table' and type(data.m) == 'string' then
     redis.call('ZADD', spec.z, 'XX', fmt(ends), data.m)
   end
@@ -1212,7 +1233,13 @@ local ops = {decide = op_decide, release = op_release, upstream = op_upstream, r
 local function run(name, body, data)
   local f = ops[name]
   if f == nil then return redis.error_reply('admitd: unknown operation ' .. tostring(name)) end
-  if name == 'decide' then spec = {mp_unpack(body)} else spec = cjson.decode(body) end
+  if name == 'decide' then
+    spec = {mp_unpack(body)}
+  elseif name == 'release' then
+    spec = release_spec(body)
+  else
+    spec = cjson.decode(body)
+  end
   extra = data or ''
   return f()
 end

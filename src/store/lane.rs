@@ -19,7 +19,8 @@ pub(super) struct Queued {
     pub(super) op: &'static str,
     /// JSON, or MessagePack for `decide` (see `spec::decide_spec`).
     pub(super) spec: Vec<u8>,
-    pub(super) data: String,
+    /// What a lease keeps (MessagePack; empty for other operations).
+    pub(super) data: Vec<u8>,
     pub(super) answer: tokio::sync::oneshot::Sender<Result<redis::Value, StoreError>>,
 }
 

@@ -116,7 +116,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
             .map(|u| report_spec(keys, tenant, u, split && u.cross_tenant()))
             .collect(),
     };
-    let data = serde_json::to_string(&data).unwrap_or_default();
+    let data = data.pack();
 
     let mut p = Pack::default();
     p.bool(own);
@@ -241,6 +241,48 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
     }
 }
 
+/// What a release tells the script besides its lease (see `release_spec` in the script).
+pub(super) struct ReleaseSpec<'a> {
+    /// `always`, `never` or `hold`.
+    pub(super) refund: &'static str,
+    pub(super) report: bool,
+    pub(super) limited: bool,
+    /// Microseconds; -1 when none.
+    pub(super) retry_after: f64,
+    pub(super) default_penalty: f64,
+    pub(super) duration: f64,
+    pub(super) cancel: bool,
+    /// What the call actually spent, per spend unit and in cost units.
+    pub(super) settle: Option<&'a crate::engine::Settlement>,
+}
+
+/// A release's spec: MessagePack scalars in the order the script's `release_spec` reads them.
+pub(super) fn release_spec(keys: &Keys, tenant: &str, lease: u64, r: ReleaseSpec) -> Vec<u8> {
+    let mut p = Pack::default();
+    p.str(&keys.hash(tenant));
+    p.str(&keys.leases(tenant));
+    p.str(&format!("{lease:016x}"));
+    p.str(r.refund);
+    p.bool(r.report);
+    p.bool(r.limited);
+    p.num(r.retry_after);
+    p.num(r.default_penalty);
+    p.num(r.duration);
+    p.bool(r.cancel);
+    // The actual cost in cost units, when the release reports one (else the admission's stands).
+    match r.settle.and_then(|s| s.cost) {
+        Some(cost) => p.num(cost),
+        None => p.nil(),
+    }
+    let spent: Vec<_> = r.settle.iter().flat_map(|s| s.spent.iter()).collect();
+    p.num(spent.len() as f64);
+    for (unit, x) in spent {
+        p.str(unit);
+        p.num(*x);
+    }
+    p.0
+}
+
 /// MessagePack scalars, as the script's `cmsgpack.unpack` reads them back one by one.
 #[derive(Default)]
 pub(super) struct Pack(pub(super) Vec<u8>);
@@ -279,6 +321,31 @@ impl Pack {
             self.0.extend_from_slice(&(n as u32).to_be_bytes());
         }
         self.0.extend_from_slice(s.as_bytes());
+    }
+
+    fn strs(&mut self, v: &[&str]) {
+        self.array(v.len());
+        for s in v {
+            self.str(s);
+        }
+    }
+
+    fn array(&mut self, n: usize) {
+        if n < 16 {
+            self.0.push(0x90 | n as u8);
+        } else {
+            self.0.push(0xdd);
+            self.0.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+    }
+
+    fn map(&mut self, n: usize) {
+        if n < 16 {
+            self.0.push(0x80 | n as u8);
+        } else {
+            self.0.push(0xdf);
+            self.0.extend_from_slice(&(n as u32).to_be_bytes());
+        }
     }
 
     fn opt_str(&mut self, s: Option<&str>) {
@@ -403,14 +470,13 @@ fn fmt_num(x: f64) -> String {
 /// A decision's part, as the script gets it.
 pub(super) struct DecideParts {
     pub(super) spec: Vec<u8>,
-    pub(super) data: String,
+    pub(super) data: Vec<u8>,
     pub(super) route: String,
     /// Per layer of the part, its index in the call.
     pub(super) map: Vec<usize>,
 }
 
 /// A spend unit's reservation, as the release settles it.
-#[derive(Serialize)]
 struct LeaseSpend<'a> {
     u: &'a str,
     n: f64,
@@ -419,7 +485,6 @@ struct LeaseSpend<'a> {
     /// Run budgets' keys.
     r: Vec<&'a str>,
     /// How long the run is remembered after its last call (microseconds), when it has a budget.
-    #[serde(skip_serializing_if = "Option::is_none")]
     i: Option<f64>,
 }
 
@@ -447,8 +512,9 @@ fn lease_member(lease: u64, conc: &[RemoteSlots], subject: &str) -> String {
     format!("{lease:016x}{scopes}{subject}")
 }
 
-/// What a lease keeps for its release (the hash field `d`), stored as admitd writes it.
-#[derive(Serialize)]
+/// What a lease keeps for its release (the end of its field `l:ID`), stored as admitd writes it: a
+/// MessagePack map (the script's release reads it with `cmsgpack.unpack`, a fraction of what
+/// decoding the same JSON cost it).
 struct LeaseData<'a> {
     subject: &'a str,
     tool: &'a str,
@@ -459,9 +525,58 @@ struct LeaseData<'a> {
     quotas: Vec<&'a str>,
     /// The lease's member in its tenant's lease set.
     m: &'a str,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// Absent when empty.
     spend: Vec<LeaseSpend<'a>>,
     up: Vec<ReportSpec<'a>>,
+}
+
+impl LeaseData<'_> {
+    fn pack(&self) -> Vec<u8> {
+        let mut p = Pack::default();
+        p.map(7 + usize::from(!self.spend.is_empty()));
+        p.str("subject");
+        p.str(self.subject);
+        p.str("tool");
+        p.str(self.tool);
+        p.str("cost");
+        p.num(self.cost);
+        p.str("keys");
+        p.array(self.keys.len());
+        for [k, fp] in &self.keys {
+            p.array(2);
+            p.str(k);
+            p.str(fp);
+        }
+        p.str("quotas");
+        p.strs(&self.quotas);
+        p.str("m");
+        p.str(self.m);
+        if !self.spend.is_empty() {
+            p.str("spend");
+            p.array(self.spend.len());
+            for s in &self.spend {
+                p.map(4 + usize::from(s.i.is_some()));
+                p.str("u");
+                p.str(s.u);
+                p.str("n");
+                p.num(s.n);
+                p.str("d");
+                p.strs(&s.d);
+                p.str("r");
+                p.strs(&s.r);
+                if let Some(i) = s.i {
+                    p.str("i");
+                    p.num(i);
+                }
+            }
+        }
+        p.str("up");
+        p.array(self.up.len());
+        for u in &self.up {
+            u.pack(&mut p);
+        }
+        p.0
+    }
 }
 
 /// An upstream as the script reads it to take its answer (penalty, AIMD, adaptive window).
@@ -483,6 +598,53 @@ pub(super) struct ReportSpec<'a> {
     q: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pr: Option<ProbeSpec>,
+}
+
+impl ReportSpec<'_> {
+    /// The same map as its JSON, in MessagePack (what a lease keeps).
+    fn pack(&self, p: &mut Pack) {
+        let opts = [
+            ("af", self.af),
+            ("afl", self.afl),
+            ("ar", self.ar),
+            ("q", self.q),
+        ];
+        let n = opts.iter().filter(|(_, v)| v.is_some()).count();
+        p.map(6 + n + usize::from(self.pr.is_some()));
+        p.str("n");
+        p.str(self.n);
+        p.str("p");
+        p.str(&self.p);
+        p.str("s");
+        p.str(&self.s);
+        p.str("aw");
+        p.num(self.aw);
+        p.str("forget");
+        p.num(self.forget);
+        p.str("x");
+        p.bool(self.x);
+        for (k, v) in opts {
+            if let Some(v) = v {
+                p.str(k);
+                p.num(v);
+            }
+        }
+        if let Some(pr) = &self.pr {
+            p.str("pr");
+            p.map(6);
+            for (k, v) in [
+                ("h", pr.h),
+                ("e", pr.e),
+                ("sp", pr.sp),
+                ("pl", pr.pl),
+                ("rp", pr.rp),
+                ("tau", pr.tau),
+            ] {
+                p.str(k);
+                p.num(v);
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
