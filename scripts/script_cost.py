@@ -12,6 +12,7 @@ script ran per decision (INFO commandstats).
     python3 scripts/script_cost.py                 # src/store/admitd.lua, 20 script calls
     python3 scripts/script_cost.py --script X.lua --calls 50
     python3 scripts/script_cost.py --warm 200      # keys seen before: a busy fleet's steady state
+    python3 scripts/script_cost.py --release       # each decision and its release
 """
 import argparse, glob, os, random, socket, struct, subprocess, tempfile, time
 
@@ -72,11 +73,18 @@ def decision(tenant, subject, lease):
             'quotas': [], 'm': m, 'up': []}
     return mp(*spec), mp(data)
 
+def release(tenant, lease):
+    base = 'admitd:{t:%d}' % tenant
+    # As admitd releases a call that answered (outcome ok): nothing refunded, the upstream report on.
+    return mp(base + ':h', base + ':ls', '%016x' % lease, 'never', True, False, -1, 1e6, -1, False, None, 0)
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser()
     ap.add_argument('--script', default=os.path.join(here, '..', 'src', 'store', 'admitd.lua'))
     ap.add_argument('--calls', type=int, default=20)
+    ap.add_argument('--release', action='store_true',
+                    help='release each decision in a script call of its own batch: counts a decision and its release')
     ap.add_argument('--warm', type=int, default=2,
                     help='script calls before the count: 2 leaves most keys fresh (every hash and lease set'
                          ' gets its first expiry during the count); 200 counts the steady state of a busy'
@@ -99,10 +107,18 @@ def main():
         def calls(n):
             for _ in range(n):
                 args = ['EVALSHA', sha, 1, 'admitd:{t:0}', 'batch']
+                made = []
                 for _ in range(20):
-                    args += ['decide', *decision(random.randrange(1000), 's%d' % random.randrange(20), random.getrandbits(64))]
+                    made.append((random.randrange(1000), random.getrandbits(64)))
+                    args += ['decide', *decision(made[-1][0], 's%d' % random.randrange(20), made[-1][1])]
                 for o in r.cmd(*args):
                     assert o[0] == 'ok', o
+                if a.release:
+                    args = ['EVALSHA', sha, 1, 'admitd:{t:0}', 'batch']
+                    for tenant, lease in made:
+                        args += ['release', release(tenant, lease), '']
+                    for o in r.cmd(*args):
+                        assert o[0] == 'released', o
         calls(a.warm)  # warm: the script compiled, the first keys made
         r.cmd('CONFIG', 'RESETSTAT')
         subprocess.run(['callgrind_control', '-z', str(srv.pid)], capture_output=True)
@@ -116,7 +132,8 @@ def main():
             if line.startswith('cmdstat_') and name not in ('evalsha', 'info', 'config|resetstat'):
                 inner += int(line.split('calls=')[1].split(',')[0])
         n = a.calls * 20
-        print('%d instructions per decision, %.2f commands per decision (%d decisions)' % (total // n, inner / n, n))
+        what = 'decision and its release' if a.release else 'decision'
+        print('%d instructions per %s, %.2f commands per %s (%d decisions)' % (total // n, what, inner / n, what, n))
     finally:
         srv.terminate(); srv.wait()
 
