@@ -17,7 +17,7 @@ const MAX_BATCH: usize = 32;
 pub(super) struct Queued {
     pub(super) route: String,
     pub(super) op: &'static str,
-    /// JSON, or MessagePack for `decide` (see `spec::decide_spec`).
+    /// JSON, or MessagePack for `decide` and `release` (see `spec::decide_spec`).
     pub(super) spec: Vec<u8>,
     /// What a lease keeps (MessagePack; empty for other operations).
     pub(super) data: Vec<u8>,
