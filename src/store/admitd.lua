@@ -5,9 +5,9 @@
 -- position for `decide` and `release`, see `op_decide` and `release_spec`; JSON for the others, off
 -- the decision path) and ARGV[3] what a lease keeps for its release (MessagePack, stored as is).
 -- Or ARGV[1] is `batch` and the rest are triples of the same (operation, spec, lease data): several
--- decisions of one replica in one call,
--- each all or nothing on its own, answered in order (an error answers `{'error', message}` for its
--- own operation only). Every key the script touches is named in the spec; KEYS[1] is one of them,
+-- decisions of one replica in one call, each all or nothing on its own, answered in order (an
+-- error answers `{'error', message}` for its own operation only). Every key the script touches is
+-- named in the spec; KEYS[1] is one of them,
 -- so that Redis Cluster routes the call to the shard that holds them all (every key of one call
 -- shares one hash tag).
 --
