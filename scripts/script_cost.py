@@ -12,8 +12,10 @@ script ran per decision (INFO commandstats).
 
     python3 scripts/script_cost.py                 # src/store/admitd.lua, 20 script calls
     python3 scripts/script_cost.py --script X.lua --calls 50
+    python3 scripts/script_cost.py --warm 200      # keys seen before: a busy fleet's steady state
+    python3 scripts/script_cost.py --release       # each decision and its release
 """
-import argparse, glob, json, os, random, socket, subprocess, tempfile, time
+import argparse, glob, os, random, socket, struct, subprocess, tempfile, time
 
 def enc(*args):
     out = [b'*%d\r\n' % len(args)]
@@ -42,26 +44,52 @@ class Redis:
             return [self.read() for _ in range(max(int(r), 0))]
         raise RuntimeError('unexpected answer %r' % line)
 
+def mp(*items):
+    """MessagePack, as src/store/spec.rs writes a decision's spec (scalars) and its lease data (a map)."""
+    out = []
+    for x in items:
+        if x is None: out.append(b'\xc0')
+        elif x is True: out.append(b'\xc3')
+        elif x is False: out.append(b'\xc2')
+        elif isinstance(x, (int, float)): out.append(b'\xcb' + struct.pack('>d', x))
+        elif isinstance(x, list): out.append(bytes([0x90 | len(x)]) + mp(*x))
+        elif isinstance(x, dict):
+            out.append(bytes([0x80 | len(x)]) + b''.join(mp(k, v) for k, v in x.items()))
+        else:
+            b = x.encode()
+            out.append((bytes([0xa0 | len(b)]) if len(b) < 32 else b'\xd9' + bytes([len(b)])) + b)
+    return b''.join(out)
+
 def decision(tenant, subject, lease):
     base, idh = 'admitd:{t:%d}' % tenant, '%016x' % lease
-    def layer(k, fp):
-        return {'k': k, 'fp': fp, 'T': 0.1, 'b': 1e7, 'n': 1, 'hold': True, 'm': '', 'f': 120e6, 'pl': 1e6}
-    spec = {'own': True, 'h': base + ':h', 'z': base + ':ls', 'id': idh, 'm': idh + 'b' + subject,
-            'subject': subject, 'tool': 'tool0', 'cost': 1, 'max_wait': 0, 'ttl': 10e6, 'shadow': False,
-            'returning': False, 'rand': 0.5, 'floor': 1000, 'forget': 120e6, 'pen': [], 'ad': [],
-            'conc': [{'f': 's:%s|n' % subject, 'cap': 1000000, 'sub': True, 'cursor': 'cs:' + subject},
-                     {'f': 't|n', 'cap': 1000000, 'sub': False, 'cursor': 'ct'}],
-            'quota': [], 'index': '',
-            'layers': [layer(base + ':h', 's:%s|' % subject), layer(base + ':h', 't|'), layer('admitd:{x}:b:g', '')]}
-    data = {'subject': subject, 'tool': 'tool0', 'cost': 1, 'keys': [[l['k'], l['fp']] for l in spec['layers']],
-            'quotas': [], 'm': spec['m'], 'up': []}
-    return json.dumps(spec), json.dumps(data)
+    h, m = base + ':h', idh + 'b' + subject
+    layers = [(h, 's:%s|' % subject), (h, 't|'), ('admitd:{x}:b:g', '')]
+    spec = [True, h, base + ':ls', 'l:' + idh, m, subject, 'tool0', 1, 0, 10e6, False, False, 0.5, 1000,
+            120e6, None, '[0,0,0]', lease & 0xff < 4, lease & 0xf == 0, len(layers)]
+    for k, fp in layers:
+        spec += [None if k == h else k, fp + 'tat', None, 0.1, 1e7, 1, True, None, 120e6, 1e6, 0, 0, 0, 0, 0, 0, 0]
+    spec += [2, 's:%s|n' % subject, 1000000, True, None, 0, 't|n', 1000000, False, None, 0]
+    spec += [0, 0, 0, 0]
+    data = {'subject': subject, 'tool': 'tool0', 'cost': 1, 'keys': [list(l) for l in layers],
+            'quotas': [], 'm': m, 'up': []}
+    return mp(*spec), mp(data)
+
+def release(tenant, lease):
+    base = 'admitd:{t:%d}' % tenant
+    # As admitd releases a call that answered (outcome ok): nothing refunded, the upstream report on.
+    return mp(base + ':h', base + ':ls', '%016x' % lease, 'never', True, False, -1, 1e6, -1, False, None, 0)
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser()
     ap.add_argument('--script', default=os.path.join(here, '..', 'src', 'store', 'admitd.lua'))
     ap.add_argument('--calls', type=int, default=20)
+    ap.add_argument('--release', action='store_true',
+                    help='release each decision in a script call of its own batch: counts a decision and its release')
+    ap.add_argument('--warm', type=int, default=2,
+                    help='script calls before the count: 2 leaves most keys fresh (every hash and lease set'
+                         ' gets its first expiry during the count); 200 counts the steady state of a busy'
+                         ' fleet, whose keys are pushed once per 10 s')
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix='script-cost-')
     port = next(p for p in range(19600, 19700) if socket.socket().connect_ex(('127.0.0.1', p)) != 0)
@@ -82,11 +110,19 @@ def main():
         def calls(n):
             for _ in range(n):
                 args = ['EVALSHA', sha, 1, 'admitd:{t:0}', 'batch']
+                made = []
                 for _ in range(20):
-                    args += ['decide', *decision(random.randrange(1000), 's%d' % random.randrange(20), random.getrandbits(64))]
+                    made.append((random.randrange(1000), random.getrandbits(64)))
+                    args += ['decide', *decision(made[-1][0], 's%d' % random.randrange(20), made[-1][1])]
                 for o in r.cmd(*args):
                     assert o[0] == 'ok', o
-        calls(2)  # warm: the script compiled, the first keys made
+                if a.release:
+                    args = ['EVALSHA', sha, 1, 'admitd:{t:0}', 'batch']
+                    for tenant, lease in made:
+                        args += ['release', release(tenant, lease), '']
+                    for o in r.cmd(*args):
+                        assert o[0] == 'released', o
+        calls(a.warm)  # warm: the script compiled, the first keys made
         r.cmd('CONFIG', 'RESETSTAT')
         subprocess.run(['callgrind_control', '-z', str(srv.pid)], capture_output=True)
         calls(a.calls)
@@ -99,7 +135,8 @@ def main():
             if line.startswith('cmdstat_') and name not in ('evalsha', 'info', 'config|resetstat'):
                 inner += int(line.split('calls=')[1].split(',')[0])
         n = a.calls * 20
-        print('%d instructions per decision, %.2f commands per decision (%d decisions)' % (total // n, inner / n, n))
+        what = 'decision and its release' if a.release else 'decision'
+        print('%d instructions per %s, %.2f commands per %s (%d decisions)' % (total // n, what, inner / n, what, n))
     finally:
         srv.terminate(); srv.wait()
 

@@ -878,6 +878,46 @@ fn an_ended_lease_is_swept_from_the_hash_and_the_set() {
     );
 }
 
+/// A lease written by an earlier version, which kept what its release needs as JSON rather than
+/// MessagePack, is still released: its slot and its count are freed.
+#[test]
+fn a_lease_kept_as_json_by_an_earlier_version_is_released() {
+    let redis = RedisServer::start();
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nconcurrency = 1\n{}",
+        store(&redis.url(), false, "")
+    ));
+    let hash = "admitd:{t:acme}:h";
+    let first = d.admit(call("acme", "bot"));
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(redis.cli(&["HGET", hash, "s:bot|n"]), "1");
+    let field = redis
+        .cli(&["HKEYS", hash])
+        .lines()
+        .find(|f| f.starts_with("l:"))
+        .expect("the lease's field")
+        .to_string();
+    let member = redis
+        .cli(&["ZRANGE", "admitd:{t:acme}:ls", "0", "-1"])
+        .lines()
+        .find(|m| *m != "~")
+        .expect("the lease's member")
+        .to_string();
+    // The earlier layout: `day|hold_until|started|ends|tokens|flags|` and the JSON.
+    let value = redis.cli(&["HGET", hash, &field]);
+    let head: Vec<&str> = value.splitn(7, '|').take(4).collect();
+    let data = json!({"subject": "bot", "tool": "search", "cost": 1, "keys": [], "quotas": [],
+                      "m": member, "up": []});
+    let old = format!("{}|[]||{data}", head.join("|"));
+    assert_eq!(redis.cli(&["HSET", hash, &field, &old]), "0");
+    assert_eq!(
+        d.release(first.body["lease_id"].as_str().unwrap()).status,
+        200
+    );
+    assert_eq!(redis.cli(&["HGET", hash, "s:bot|n"]), "0");
+    assert_eq!(d.admit(call("acme", "bot")).status, 200);
+}
+
 /// Calls whose callers stopped waiting (their timeout passed while Redis was busy) are not decided
 /// afterwards: no lease and no token are left behind for callers that were told to retry.
 #[test]

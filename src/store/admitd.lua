@@ -2,11 +2,13 @@
 -- admitd's shared-store script: every state change of an admission decision, run atomically inside
 -- Redis. Loaded once per connection and called by its SHA (EVALSHA; reloaded on NOSCRIPT).
 --
--- ARGV[1] names the operation, ARGV[2] is its JSON spec (built by src/store/spec.rs) and ARGV[3]
--- what a lease keeps for its release (JSON, stored as is). Or ARGV[1] is `batch` and the rest are
--- triples of the same (operation, spec, lease data): several decisions of one replica in one call,
--- each all or nothing on its own, answered in order (an error answers `{'error', message}` for its
--- own operation only). Every key the script touches is named in the spec; KEYS[1] is one of them,
+-- ARGV[1] names the operation, ARGV[2] is its spec (built by src/store/spec.rs: MessagePack read by
+-- position for `decide` and `release`, see `op_decide` and `release_spec`; JSON for the others, off
+-- the decision path) and ARGV[3] what a lease keeps for its release (MessagePack, stored as is).
+-- Or ARGV[1] is `batch` and the rest are triples of the same (operation, spec, lease data): several
+-- decisions of one replica in one call, each all or nothing on its own, answered in order (an
+-- error answers `{'error', message}` for its own operation only). Every key the script touches is
+-- named in the spec; KEYS[1] is one of them,
 -- so that Redis Cluster routes the call to the shard that holds them all (every key of one call
 -- shares one hash tag).
 --
@@ -58,7 +60,8 @@
 -- Library functions as locals: a global's lookup costs a hash lookup per call in Lua 5.1.
 local floor, max, min, ceil = math.floor, math.max, math.min, math.ceil
 local format, sub, match = string.format, string.sub, string.match
-local tonumber, tostring, ipairs, pairs, unpack = tonumber, tostring, ipairs, pairs, unpack
+local tonumber, tostring, ipairs, pairs, unpack, type = tonumber, tostring, ipairs, pairs, unpack, type
+local mp_unpack = cmsgpack.unpack
 
 local op = ARGV[1]
 local spec, extra -- the operation's spec and lease data, set for each operation of a batch
@@ -92,11 +95,12 @@ end
 -- Integral values (every instant and most durations: microseconds) print as integers, which costs
 -- a fraction of a 17-digit float; 2^53 bounds the doubles that are exact integers.
 local function fmt(x)
-  if x == floor(x) and x < 9e15 and x > -9e15 then return format('%d', x) end
+  if x % 1 == 0 and x < 9e15 and x > -9e15 then return format('%d', x) end
   return format('%.17g', x)
 end
 
 local NOW = fmt(now) -- formatting a number is a large part of the script's own work: once
+local DAYS = format('%d', floor(now / DAY)) -- the UTC day, as quota and lease fields name it
 
 local function expire_at(key, at)
   local ms = ceil((at - now) / 1000)
@@ -148,15 +152,28 @@ local function mark(key, e)
 end
 
 local function load(key, fields)
-  local e = entry(key)
-  local want, seen = {}, {}
-  if e.v.x == nil then want[1] = 'x'; seen.x = true end
-  for _, f in ipairs(fields) do
-    if e.v[f] == nil and not seen[f] then want[#want + 1] = f; seen[f] = true end
+  local e = cache[key]
+  if e == nil then
+    -- A hash not read yet in this script call: its fields as asked, its cursor with them.
+    e = entry(key)
+    local v = e.v
+    local got = redis.call('HMGET', key, 'x', unpack(fields))
+    v.x = got[1] or false
+    for i = 1, #fields do v[fields[i]] = got[i + 1] or false end
+    return e
   end
-  if #want > 0 then
+  local v = e.v
+  -- No list is made when every field is loaded already (a hash met again in a batch).
+  local want
+  if v.x == nil then want = {'x'} end
+  for _, f in ipairs(fields) do
+    if v[f] == nil then
+      if want then want[#want + 1] = f else want = {f} end
+    end
+  end
+  if want then
     local got = redis.call('HMGET', key, unpack(want))
-    for i, f in ipairs(want) do e.v[f] = got[i] or false end
+    for i, f in ipairs(want) do v[f] = got[i] or false end
   end
   return e
 end
@@ -169,11 +186,39 @@ local function hget(key, f)
   return v
 end
 
-local function hput(key, f, v)
-  local e = entry(key)
-  if v == nil then e.v[f] = false else e.v[f] = v end
-  e.d[f] = true
-  mark(key, e)
+-- A field loaded before, as a number (`d` when absent). The number replaces the string in the
+-- cache, so a field read by several decisions of one script call is parsed once; arithmetic
+-- coercion parses it once where `tonumber` parses twice (Lua 5.1 checks, then converts).
+local function hnum(key, f, d)
+  local e = cache[key]
+  if e == nil then return d end
+  local v = e.v[f]
+  if not v then return d end
+  v = v + 0
+  e.v[f] = v
+  return v
+end
+
+-- `v`: a string, a number (formatted once, when the script call writes its hashes) or nil; `at`
+-- (optional): as `keep`. A value the hash holds already (as read, or as written earlier in this
+-- script call) is not written again. (A call of a C function such as `math.max`, or of a Lua one,
+-- costs the script about as much as formatting a number: the helpers called per layer and per
+-- field compare inline and call nothing they need not.)
+local function hput(key, f, v, at)
+  local e = cache[key] or entry(key)
+  local ev = e.v
+  if v == nil then
+    ev[f] = false
+    e.d[f] = true
+  elseif ev[f] ~= v then
+    ev[f] = v
+    e.d[f] = true
+  end
+  if at and at > e.need then e.need = at end
+  if not e.dirty then
+    e.dirty = true
+    dirty[#dirty + 1] = key
+  end
 end
 
 local function keep(key, at)
@@ -185,36 +230,38 @@ end
 local function flush()
   for _, key in ipairs(dirty) do
     local e = cache[key]
-    local x = num(e.v.x, 0)
+    local x = e.v.x
+    if x then x = x + 0 else x = 0 end
     local push = e.need > x
     if push then
       x = e.need + SLACK
       e.v.x = fmt(x)
       e.d.x = true
     end
-    local set, del = {}, {}
+    local set, del, n = {}, nil, 0
     for f in pairs(e.d) do
       local v = e.v[f]
       if v then
-        set[#set + 1] = f
-        set[#set + 1] = v
-      else
+        if v == now then v = NOW elseif type(v) == 'number' then v = fmt(v) end
+        set[n + 1], set[n + 2] = f, v
+        n = n + 2
+      elseif del then
         del[#del + 1] = f
+      else
+        del = {f}
       end
     end
-    if #set > 0 then chunked('HSET', key, set) end
-    if #del > 0 then chunked('HDEL', key, del) end
+    if n > 0 then chunked('HSET', key, set) end
+    if del then chunked('HDEL', key, del) end
     if push then expire_at(key, x) end
-    e.d, e.need, e.dirty = {}, 0, false
+    e.need, e.dirty = 0, false
   end
   dirty = {}
 end
 
--- Writes a bucket layer's fields (`...`: field, value pairs, named without the layer's prefix) and
--- keeps its hash until `at`.
-local function write_bucket(l, at, ...)
-  local kv = {...}
-  for i = 1, #kv, 2 do hput(l.k, l.fp .. kv[i], kv[i + 1]) end
+-- Writes a bucket layer's field `f` (named without the layer's prefix) and keeps its hash until `at`.
+local function write_bucket(l, at, f, v)
+  hput(l.k, l.fp .. f, v)
   keep(l.k, at)
 end
 -- The AIMD multiplier of an upstream state hash (1 once a cut is older than `forget`). A hash that
@@ -287,47 +334,107 @@ local function slot_margin(run)
 end
 
 local function whole_tokens(burst, T, tat)
-  local missing = max(tat - now, 0)
+  local missing = tat - now
+  if missing < 0 then missing = 0 end
   local tokens = burst - missing / T
   if tokens <= 0 then return 0 end
-  return floor(tokens + burst * 1e-12)
+  tokens = tokens + burst * 1e-12
+  return tokens - tokens % 1 -- floor
 end
 
--- Reads every bucket layer of a call, with `more` fields of the tenant's hash `h` in the same
--- HMGET: its shape at the current AIMD multiplier and its state.
-local function read_layers(layers, forget, h, more)
-  local want = {}
-  if h and h ~= '' then want[h] = more end
-  for _, l in ipairs(layers) do
-    local w = want[l.k]
-    if w == nil then w = {}; want[l.k] = w end
-    w[#w + 1] = l.fp .. 'tat'
-    w[#w + 1] = l.fp .. (l.pf or 'p')
+-- A decision's spec (`op_decide`) is a list `a` of MessagePack scalars in a fixed order, written by
+-- src/store/spec.rs, read by position: no JSON is decoded, no number parsed from text and no table
+-- made for its parts (each of those costs the script more than a command does). The header:
+--   1 own  2 h  3 z  4 the lease's field (`l:ID`)  5 its member  6 subject  7 tool  8 cost
+--   9 max_wait  10 ttl  11 shadow  12 returning  13 rand  14 floor  15 forget  16 index (nil: none)
+--   17 what each layer takes, as the lease keeps it (nil: the script writes it; a layer's rate
+--      moves with an AIMD multiplier)  18 sweep now (one call in 64)  19 trim the index now
+--   20 the number of layers, then each layer's LW values from its offset `o`:
+--      o k (nil: the tenant's hash), +1 its `tat` field, +2 its promise field (nil: its prefix +
+--      `p`), +3 T, +4 b, +5 n, +6 hold, +7 its AIMD
+--      state key (nil: none), +8 forget, +9 probe length, and the state `read_layers` sets in
+--      place (sent as 0): +10 T at the multiplier, +11 tau, +12 inc, +13 tat, +14 promise cursor,
+--      +15 shortfall, +16 multiplier
+-- then each list as its length and its items' values: concurrency scopes (CW values: `f cap sub
+-- cursor` and the count, sent as 0; the hint cursor nil: `cs:SUBJECT` or `ct`), penalties `k layer step`, adaptive windows `k w K min step`,
+-- quotas `k q sub`, spend units `n t` followed by their budgets as a list of `k s run idle`. The
+-- last four are rare and made into tables. An absent string is nil.
+local LW, CW = 17, 5
+local FIRST = 21            -- the first layer's offset
+local NO = {}               -- an empty list, shared (never written)
+local layer_end = FIRST     -- the offset after the last layer of the decision being decided
+
+-- Reads every bucket layer of the decision `a`, with `more` fields of the tenant's hash `h` in the
+-- same HMGET, and sets each layer's shape at the current AIMD multiplier and its state in place.
+local function read_layers(a, h, more)
+  local forget = a[15]
+  for o = FIRST, layer_end - 1, LW do
+    local k = a[o]
+    if k == nil then
+      a[o] = h
+      more[#more + 1] = a[o + 1]
+    else
+      local v = (cache[k] or NO).v or NO
+      if v[a[o + 1]] == nil then load(k, {a[o + 1]}) end
+    end
   end
-  for k, fields in pairs(want) do load(k, fields) end
-  local out = {}
-  for i, l in ipairs(layers) do
-    local m = multiplier(l.m, l.f or forget, l.pl)
-    local T = l.T / m
-    local tau = l.b * T
-    local inc = floor(l.n * T)
-    local tat, p = num(hget(l.k, l.fp .. 'tat'), 0), num(hget(l.k, l.fp .. (l.pf or 'p')), 0)
-    local short = max(max(tat, now) + inc - (now + tau), 0)
-    out[i] = {T = T, tau = tau, inc = inc, tat = tat, p = p, short = short, m = m}
+  if h ~= '' then load(h, more) end
+  for o = FIRST, layer_end - 1, LW do
+    local m = 1
+    if a[o + 7] then m = multiplier(a[o + 7], a[o + 8] or forget, a[o + 9]) end
+    local T = a[o + 3] / m
+    local tau = a[o + 4] * T
+    local inc = a[o + 5] * T
+    inc = inc - inc % 1 -- floor
+    -- The layer's `tat`, parsed once per script call (as `hnum`).
+    local v, f = cache[a[o]].v, a[o + 1]
+    local tat = v[f]
+    if tat then
+      tat = tat + 0
+      v[f] = tat
+    else
+      tat = 0
+    end
+    a[o + 10], a[o + 11], a[o + 12], a[o + 13], a[o + 16] = T, tau, inc, tat, m
+    local short = tat
+    if short < now then short = now end
+    short = short + inc - (now + tau)
+    if short < 0 then short = 0 end
+    a[o + 15] = short
   end
-  return out
 end
 
--- Each layer's whole tokens left and microseconds until full, as numbers: Redis answers a Lua
--- number as an integer without formatting it (every instant here is whole microseconds).
-local function layer_report(layers, st, taken)
-  local r = {}
-  for i, l in ipairs(layers) do
-    local s = st[i]
-    local tat = s.tat
-    if taken then tat = max(s.tat, now) + s.inc end
-    r[#r + 1] = whole_tokens(l.b, s.T, tat)
-    r[#r + 1] = floor(max(tat - now, 0))
+-- The promise cursor of the layer at `o`, read only when the layer is short of tokens (a call that
+-- takes its tokens at once neither reads nor moves it; the hash already lives past it: the expiry
+-- of a hash only moves forward, and it was pushed past the cursor when the cursor was written).
+local function promise(a, o)
+  local f = a[o + 2]
+  if f == nil then
+    f = sub(a[o + 1], 1, -4) .. 'p'
+    a[o + 2] = f
+  end
+  load(a[o], {f})
+  local p = hnum(a[o], f, 0)
+  a[o + 14] = p
+  return p
+end
+
+-- Appends to `r` each layer's whole tokens left and microseconds until full (`taken`: after this
+-- call took its tokens), as numbers: Redis answers a Lua number as an integer without formatting
+-- it (every instant here is whole microseconds).
+local function layer_report(a, r, taken)
+  local n = #r
+  for o = FIRST, layer_end - 1, LW do
+    local tat = a[o + 13]
+    if taken then
+      if tat < now then tat = now end
+      tat = tat + a[o + 12]
+    end
+    local reset = tat - now
+    if reset < 0 then reset = 0 end
+    r[n + 1] = whole_tokens(a[o + 4], a[o + 10], tat)
+    r[n + 2] = reset - reset % 1
+    n = n + 2
   end
   return r
 end
@@ -337,19 +444,24 @@ end
 -- the release (subject, tool, cost, the layers' keys and prefixes, the quota keys, its member, the
 -- upstreams), the rest what was decided here; flag `n`: nothing to give back (shadow mode). A lease
 -- whose end has passed is gone, whether or not a sweep has removed it yet.
-local function write_lease(day, hold_until, incs, flags, ends, member)
-  local h = spec.h
+local Z = {'z'}
+local function write_lease(a, day, hold_until, incs, flags, ends, member)
+  local h, z = a[2], a[3]
   local e = fmt(ends)
   local hu = NOW
   if hold_until ~= now then hu = fmt(hold_until) end
-  hput(h, 'l:' .. spec.id, day .. '|' .. hu .. '|' .. NOW .. '|' .. e .. '|' .. incs .. '|' .. flags ..
-    '|' .. extra)
+  hput(h, a[4], day .. '|' .. hu .. '|' .. NOW .. '|' .. e .. '|' .. incs .. '|' .. flags .. '|' .. extra)
   keep(h, ends + GRACE)
-  redis.call('ZADD', spec.z, e, member, '+inf', '~')
-  load(h, {'z'})
-  local z = num(hget(h, 'z'), 0)
-  local nz = keep_until(spec.z, ends + GRACE, z)
-  if nz ~= z then hput(h, 'z', fmt(nz)) end
+  load(h, Z)
+  local pushed = hnum(h, 'z', 0)
+  if pushed > now then
+    -- The set lives until `pushed`, its sentinel with it (nothing takes the sentinel out).
+    redis.call('ZADD', z, e, member)
+  else
+    redis.call('ZADD', z, e, member, '+inf', '~')
+  end
+  local nz = keep_until(z, ends + GRACE, pushed)
+  if nz ~= pushed then hput(h, 'z', nz) end
 end
 
 -- A live lease of the tenant's hash `h`, parsed; nil when there is none (or it has ended).
@@ -374,7 +486,7 @@ local function count(h, member, by)
   if #fields == 0 then return end
   load(h, fields)
   for _, f in ipairs(fields) do
-    hput(h, f, fmt(max(num(hget(h, f), 0) + by, 0)))
+    hput(h, f, max(hnum(h, f, 0) + by, 0))
   end
 end
 
@@ -402,14 +514,14 @@ local function sweep(h, z, limit)
   chunked('ZREM', z, gone)
 end
 
-local function shed(scope, wait, booked, account_wide, layer, report)
-  if spec.shadow and spec.own then
+-- A refusal of the decision `a`, with the layers' report.
+local function shed(a, scope, wait, booked, account_wide, layer)
+  if a[11] and a[1] then
     -- Shadow mode admits the call without spending anything: its lease holds no slot and no token.
-    write_lease('0', 0, '[]', 'n', now + spec.ttl, sub(spec.m, 1, 16) .. '-' .. spec.subject)
+    write_lease(a, '0', 0, '[]', 'n', now + a[10], sub(a[5], 1, 16) .. '-' .. a[6])
   end
-  local r = {'shed', scope, fmt(max(wait, 0)), tostring(booked), tostring(account_wide), tostring(layer)}
-  for _, v in ipairs(report) do r[#r + 1] = v end
-  return r
+  return layer_report(a, {'shed', scope, fmt(max(wait, 0)), tostring(booked), tostring(account_wide),
+    tostring(layer)}, false)
 end
 -- Adaptive-throttle window: requests and accepts per slot, `r:<slot>` and `a:<slot>` fields.
 local function sre_totals(key, window)
@@ -544,21 +656,73 @@ local function upstream_answer(u, limited, retry_after, default_penalty, ok, hea
   return penalty, probe
 end
 
-local function op_decide()
-  local h = ''
-  local more = {}
-  if spec.own then
-    h = spec.h
-    more[1] = 'z'
-    if spec.index ~= '' then more[2] = 'ix' end
-    for _, c in ipairs(spec.conc) do more[#more + 1] = c.f end
+-- The rare lists of a decision's spec from offset `i` (penalties, adaptive windows, quotas, spend
+-- units), as tables; NO for an empty one.
+local function rare_lists(a, i)
+  local pen, ad, quota, spend = NO, NO, NO, NO
+  local n = a[i]
+  i = i + 1
+  if n > 0 then
+    pen = {}
+    for j = 1, n do
+      pen[j] = {k = a[i], layer = a[i + 1], step = a[i + 2]}
+      i = i + 3
+    end
   end
-  local st = read_layers(spec.layers, spec.forget, h, more)
+  n, i = a[i], i + 1
+  if n > 0 then
+    ad = {}
+    for j = 1, n do
+      ad[j] = {k = a[i], w = a[i + 1], K = a[i + 2], min = a[i + 3], step = a[i + 4]}
+      i = i + 5
+    end
+  end
+  n, i = a[i], i + 1
+  if n > 0 then
+    quota = {}
+    for j = 1, n do
+      quota[j] = {k = a[i], q = a[i + 1], sub = a[i + 2]}
+      i = i + 3
+    end
+  end
+  n, i = a[i], i + 1
+  if n > 0 then
+    spend = {}
+    for u = 1, n do
+      local unit = {n = a[i], t = a[i + 1], b = {}}
+      local nb = a[i + 2]
+      i = i + 3
+      for j = 1, nb do
+        unit.b[j] = {k = a[i], s = a[i + 1], run = a[i + 2], idle = a[i + 3]}
+        i = i + 4
+      end
+      spend[u] = unit
+    end
+  end
+  return pen, ad, quota, spend
+end
+
+local function op_decide()
+  local a = spec
+  local own, h, z = a[1], a[2], a[3]
+  layer_end = FIRST + a[20] * LW
+  local conc0 = layer_end + 1                     -- the first concurrency scope's offset
+  local conc_end = conc0 + a[layer_end] * CW
+  local more = {}
+  if own then
+    more[1] = 'z'
+    if a[16] then more[2] = 'ix' end
+    for c = conc0, conc_end - 1, CW do more[#more + 1] = a[c] end
+  else
+    h = ''
+  end
+  read_layers(a, h, more)
+  local pens, ads, quotas, spend = rare_lists(a, conc_end)
 
   -- Upstream penalty: refused until the upstream's Retry-After has passed, promised the slot of the
   -- upstream's bucket after it (or a staggered instant, for an upstream without a bucket).
   local pen_wait, pen = 0, nil
-  for _, p in ipairs(spec.pen) do
+  for _, p in ipairs(pens) do
     local untl = num(redis.call('HGET', p.k, 'until'), 0)
     if untl > now and untl - now > pen_wait then pen_wait, pen = untl - now, p end
   end
@@ -566,26 +730,27 @@ local function op_decide()
     local untl = now + pen_wait
     local wait
     if pen.layer > 0 then
-      local l, s = spec.layers[pen.layer], st[pen.layer]
-      local cursor, w = promise_at(s.p, s.tat, untl, s.inc, s.tau)
-      write_bucket(l, max(cursor, s.tat, untl) + GRACE, l.pf or 'p', fmt(cursor))
+      local o = FIRST + (pen.layer - 1) * LW
+      local cursor, w = promise_at(promise(a, o), a[o + 13], untl, a[o + 12], a[o + 11])
+      hput(a[o], a[o + 2], cursor)
+      keep(a[o], max(cursor, a[o + 13], untl) + GRACE)
       wait = w
     else
       wait = stagger(pen.k, 'c', untl, pen.step, stagger_window(pen_wait)) - now
     end
-    return shed('upstream_penalty', wait, 0, 1, 0, layer_report(spec.layers, st, false))
+    return shed(a, 'upstream_penalty', wait, 0, 1, 0)
   end
 
   -- Adaptive throttling: refuse locally with the SRE probability over the upstream's window.
-  for _, a in ipairs(spec.ad) do
-    local req, acc = sre_totals(a.k, a.w)
-    local prob = reject_probability(req, acc, a.K, a.min or 0)
-    if spec.rand < prob then
-      sre_record(a.k, a.w, 1, 0)
-      expire_at(a.k, now + a.w + GRACE)
+  for _, w in ipairs(ads) do
+    local req, acc = sre_totals(w.k, w.w)
+    local prob = reject_probability(req, acc, w.K, w.min or 0)
+    if a[13] < prob then
+      sre_record(w.k, w.w, 1, 0)
+      expire_at(w.k, now + w.w + GRACE)
       local least = adaptive_wait(prob)
-      local wait = stagger(a.k, 'c', now + least, a.step, stagger_window(least)) - now
-      return shed('adaptive', wait, 0, 1, 0, layer_report(spec.layers, st, false))
+      local wait = stagger(w.k, 'c', now + least, w.step, stagger_window(least)) - now
+      return shed(a, 'adaptive', wait, 0, 1, 0)
     end
   end
 
@@ -593,61 +758,71 @@ local function op_decide()
   -- scored by the leases' ends, frees the slot of a lease that is never released (its replica
   -- died) at its TTL without a sweeper. Ended leases are swept before counting when a count
   -- reaches its cap (below it, so is the count without them), and on one call in 64 (the lease
-  -- id's last two hex digits) to bound the set.
-  if spec.own then
+  -- id's last two hex digits, `a[18]`) to bound the set.
+  if own then
     local full = false
-    for _, c in ipairs(spec.conc) do
-      c.n = num(hget(h, c.f), 0)
-      if c.n >= c.cap then full = true end
+    local v = cache[h].v
+    for c = conc0, conc_end - 1, CW do
+      local n = v[a[c]]
+      if n then
+        n = n + 0
+        v[a[c]] = n
+      else
+        n = 0
+      end
+      a[c + 4] = n
+      if n >= a[c + 1] then full = true end
     end
-    if full or tonumber(sub(spec.id, -2), 16) < 4 then
-      if full then sweep(h, spec.z, nil) else sweep(h, spec.z, 256) end
-      for _, c in ipairs(spec.conc) do c.n = num(hget(h, c.f), 0) end
+    if full or a[18] then
+      if full then sweep(h, z, nil) else sweep(h, z, 256) end
+      for c = conc0, conc_end - 1, CW do a[c + 4] = hnum(h, a[c], 0) end
     end
   end
-  for _, c in ipairs(spec.conc) do
-    if c.n >= c.cap then
+  for c = conc0, conc_end - 1, CW do
+    local cap, scoped = a[c + 1], a[c + 2]
+    if a[c + 4] >= cap then
       -- The slot expected to free first: each lease's start plus how long this tool's calls run.
-      local rf = 'rt:' .. spec.tool
+      local rf = 'rt:' .. a[7]
       load(h, {rf})
       local run = num(hget(h, rf), DEFAULT_RUN)
       local earliest = nil
-      local live = redis.call('ZRANGE', spec.z, 0, -1, 'WITHSCORES')
+      local live = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
       for i = 1, #live - 1, 2 do
         local m = live[i]
         local s = sub(m, 17, 17)
         local counted
-        if c.sub then
-          counted = (s == 's' or s == 'b') and sub(m, 18) == spec.subject
+        if scoped then
+          counted = (s == 's' or s == 'b') and sub(m, 18) == a[6]
         else
           counted = s == 't' or s == 'b'
         end
         if counted then
-          local started = tonumber(live[i + 1]) - spec.ttl
-          local free = max(started + run, now + spec.floor)
+          local started = tonumber(live[i + 1]) - a[10]
+          local free = max(started + run, now + a[14])
           if earliest == nil or free < earliest then earliest = free end
         end
       end
       earliest = earliest or (now + run)
-      if spec.max_wait > 0 and not spec.shadow then
+      if a[9] > 0 and not a[11] then
         return {'busy', fmt(earliest - now)}
       end
       -- Refused callers are told one slot each, a run's share of a slot apart (the rate at which
       -- slots free), each a margin after the end it waits for: the release travels too.
       local margin = slot_margin(run)
-      local step = max((run + margin) / c.cap, 1e3)
-      local wait = stagger_cached(h, c.cursor, earliest + margin, step, HORIZON) - now
-      return shed('concurrency', wait, 0, c.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
+      local step = max((run + margin) / cap, 1e3)
+      local cursor = a[c + 3] or (scoped and 'cs:' .. a[6] or 'ct')
+      local wait = stagger_cached(h, cursor, earliest + margin, step, HORIZON) - now
+      return shed(a, 'concurrency', wait, 0, scoped and 0 or 1, 0)
     end
   end
 
   -- Daily quota per UTC day of the store's clock.
   local day = floor(now / DAY)
-  for _, q in ipairs(spec.quota) do
-    local used = num(redis.call('HGET', q.k, tostring(day)), 0)
-    if used + spec.cost > q.q + 1e-9 then
+  for _, q in ipairs(quotas) do
+    local used = num(redis.call('HGET', q.k, DAYS), 0)
+    if used + a[8] > q.q + 1e-9 then
       local wait = (day + 1) * DAY - now
-      return shed('daily_quota', wait, 0, q.sub and 0 or 1, 0, layer_report(spec.layers, st, false))
+      return shed(a, 'daily_quota', wait, 0, q.sub and 0 or 1, 0)
     end
   end
 
@@ -655,16 +830,15 @@ local function op_decide()
   -- (a hash by day, like a quota), a run's while the run is remembered (a counter that expires
   -- `idle` after the run's last call). A budget may be below zero (a call cost more than its
   -- estimate): it then refuses until it is back above the estimate.
-  local spend = spec.spend or {}
   for ui, u in ipairs(spend) do
     for bi, b in ipairs(u.b) do
       local used
-      if b.run then used = num(redis.call('GET', b.k), 0) else used = num(redis.call('HGET', b.k, tostring(day)), 0) end
+      if b.run then used = num(redis.call('GET', b.k), 0) else used = num(redis.call('HGET', b.k, DAYS), 0) end
       local left = b.s - used
       if left + 1e-9 < u.n then
         local wait = 0
         if not b.run then wait = (day + 1) * DAY - now end
-        local r = shed('spend', wait, 0, 0, ui, layer_report(spec.layers, st, false))
+        local r = shed(a, 'spend', wait, 0, 0, ui)
         r[#r + 1] = tostring(bi)
         r[#r + 1] = fmt(left)
         return r
@@ -676,34 +850,38 @@ local function op_decide()
   -- Buckets, all or nothing. A call is held (its tokens reserved ahead) only within its wait, only on
   -- layers that allow it, and never into tokens promised to callers refused earlier.
   local hold = 0
-  for i, l in ipairs(spec.layers) do
-    local s = st[i]
+  for o = FIRST, layer_end - 1, LW do
+    local short, tat, tau = a[o + 15], a[o + 13], a[o + 11]
     local max_wait = 0
-    if l.hold then max_wait = spec.max_wait end
-    local behind = s.short > 0 and not spec.returning and cursor_live(s.p, s.tat, s.tau, 0)
-    if s.short > max_wait or behind then
+    if a[o + 6] then max_wait = a[9] end
+    local p = 0
+    if short > 0 then p = promise(a, o) end
+    local behind = short > 0 and not a[12] and cursor_live(p, tat, tau, 0)
+    if short > max_wait or behind then
       -- Promise this caller the layer's next slot after earlier promises; the later layers' shortfalls
       -- count too, so the hint covers the whole path.
-      local cursor, wait, booked = promise_at(s.p, s.tat, 0, s.inc, s.tau)
+      local cursor, wait, booked = promise_at(p, tat, 0, a[o + 12], tau)
       if booked == 0 then
-        write_bucket(l, max(cursor, s.tat) + GRACE, l.pf or 'p', fmt(cursor))
+        hput(a[o], a[o + 2], cursor)
+        keep(a[o], max(cursor, tat) + GRACE)
       end
-      for j = i + 1, #spec.layers do wait = max(wait, st[j].short) end
-      local r = shed('layer', wait, booked, 0, i, layer_report(spec.layers, st, false))
-      r[#r + 1] = fmt(s.m)
+      for j = o + LW, layer_end - 1, LW do wait = max(wait, a[j + 15]) end
+      local r = shed(a, 'layer', wait, booked, 0, (o - FIRST) / LW + 1)
+      r[#r + 1] = fmt(a[o + 16])
       return r
     end
-    if s.short > hold then hold = s.short end
+    if short > hold then hold = short end
   end
 
-  local ends = now + hold + spec.ttl
-  for i, l in ipairs(spec.layers) do
-    local s = st[i]
-    local tat = max(s.tat, now) + s.inc
-    write_bucket(l, max(tat, s.p) + GRACE, 'tat', fmt(tat))
+  local ends = now + hold + a[10]
+  for o = FIRST, layer_end - 1, LW do
+    local tat = a[o + 13]
+    if tat < now then tat = now end
+    tat = tat + a[o + 12]
+    hput(a[o], a[o + 1], tat, tat + GRACE)
   end
-  for _, q in ipairs(spec.quota) do
-    redis.call('HINCRBYFLOAT', q.k, tostring(day), fmt(spec.cost))
+  for _, q in ipairs(quotas) do
+    redis.call('HINCRBYFLOAT', q.k, DAYS, fmt(a[8]))
     expire_at(q.k, (day + 1) * DAY + KEEP)
   end
   for _, u in ipairs(spend) do
@@ -713,40 +891,45 @@ local function op_decide()
         -- Every call of the run keeps it remembered for `idle` more (an absent key: nothing spent).
         if redis.call('EXISTS', b.k) == 1 then expire_at(b.k, now + b.idle) end
       elseif u.n ~= 0 then
-        redis.call('HINCRBYFLOAT', b.k, tostring(day), fmt(u.n))
+        redis.call('HINCRBYFLOAT', b.k, DAYS, fmt(u.n))
         expire_at(b.k, (day + 1) * DAY + KEEP)
       end
     end
     -- The tenant's day figure without a budget keeping it: counted for GET /v1/tenants/{tenant}.
     if u.t and u.n ~= 0 then
-      redis.call('HINCRBYFLOAT', u.t, tostring(day), fmt(u.n))
+      redis.call('HINCRBYFLOAT', u.t, DAYS, fmt(u.n))
       expire_at(u.t, (day + 1) * DAY + KEEP)
     end
   end
-  local report = layer_report(spec.layers, st, true)
+  local r = layer_report(a, {'ok', hold == 0 and '0' or fmt(hold)}, true)
   for _, u in ipairs(spend) do
-    for _, b in ipairs(u.b) do report[#report + 1] = fmt(b.left) end
+    for _, b in ipairs(u.b) do r[#r + 1] = fmt(b.left) end
   end
-  if spec.own then
-    for _, c in ipairs(spec.conc) do hput(h, c.f, fmt(c.n + 1)) end
-    local incs = {}
-    for i = 1, #spec.layers do incs[i] = fmt(st[i].inc) end
-    write_lease(tostring(day), now + hold, '[' .. table.concat(incs, ',') .. ']', '', ends, spec.m)
+  if own then
+    for c = conc0, conc_end - 1, CW do hput(h, a[c], a[c + 4] + 1) end
+    -- What each layer took, as admitd wrote it when no layer's rate moves with an AIMD multiplier.
+    local incs = a[17]
+    if not incs then
+      local each = {}
+      for o = FIRST, layer_end - 1, LW do each[#each + 1] = fmt(a[o + 12]) end
+      incs = '[' .. table.concat(each, ',') .. ']'
+    end
+    write_lease(a, DAYS, now + hold, incs, '', ends, a[5])
   end
-  if spec.index ~= '' then
+  local index = a[16]
+  if index then
     -- The subject index: the subject's last sighting (a replica records it once a minute per
     -- subject). Its expiry is pushed as a bucket's is, with its cursor `ix` in the tenant's hash;
-    -- on one write in 16, subjects not seen for a day leave it, and their fields the tenant's hash
-    -- once they are at rest (a bucket full again, nothing promised, no lease counted). The subject
-    -- is added first, so that the set never empties behind its cursor.
-    redis.call('ZADD', spec.index, NOW, spec.subject)
-    load(h, {'ix'})
-    local ix = num(hget(h, 'ix'), 0)
-    local nix = keep_until(spec.index, now + DAY, ix)
-    if nix ~= ix then hput(h, 'ix', fmt(nix)) end
-    local old = {}
-    if sub(spec.id, -1) == '0' then
-      old = redis.call('ZRANGEBYSCORE', spec.index, '-inf', fmt(now - DAY), 'LIMIT', 0, 64)
+    -- on one write in 16 (`a[19]`), subjects not seen for a day leave it, and their fields the
+    -- tenant's hash once they are at rest (a bucket full again, nothing promised, no lease
+    -- counted). The subject is added first, so that the set never empties behind its cursor.
+    redis.call('ZADD', index, NOW, a[6])
+    local ix = hnum(h, 'ix', 0)
+    local nix = keep_until(index, now + DAY, ix)
+    if nix ~= ix then hput(h, 'ix', nix) end
+    local old = NO
+    if a[19] then
+      old = redis.call('ZRANGEBYSCORE', index, '-inf', fmt(now - DAY), 'LIMIT', 0, 64)
     end
     if #old > 0 then
       local fields = {}
@@ -768,11 +951,9 @@ local function op_decide()
           done[#done + 1] = n
         end
       end
-      if #done > 0 then chunked('ZREM', spec.index, done) end
+      if #done > 0 then chunked('ZREM', index, done) end
     end
   end
-  local r = {'ok', fmt(hold)}
-  for _, v in ipairs(report) do r[#r + 1] = v end
   return r
 end
 -- Gives back tokens: `incs` is a list of {key, field prefix, microseconds}.
@@ -785,11 +966,33 @@ local function refund(incs)
   end
 end
 
+-- What a lease keeps for its release: a MessagePack map (JSON from a version before it).
+local function lease_data(d)
+  if sub(d, 1, 1) == '{' then return cjson.decode(d) end
+  return mp_unpack(d)
+end
+
+-- The spec of `release`: MessagePack scalars `h z id refund report limited retry_after
+-- default_penalty duration cancel cost` (cost nil: the admission's stands), then the number of spend
+-- units whose actual figure the release reports, and each one's name and figure.
+local function release_spec(body)
+  local a = {mp_unpack(body)}
+  local s = {h = a[1], z = a[2], id = a[3], refund = a[4], report = a[5], limited = a[6],
+    retry_after = a[7], default_penalty = a[8], duration = a[9], cancel = a[10], cost = a[11],
+    ok = a[12], healthy = a[13]}
+  if a[14] > 0 then
+    local spent = {}
+    for i = 15, 14 + 2 * a[14], 2 do spent[a[i]] = a[i + 1] end
+    s.spent = spent
+  end
+  return s
+end
+
 local function op_release()
   local h = spec.h
   local l = read_lease(h, spec.id)
   if not l then return {'unknown'} end
-  local d = cjson.decode(l.d)
+  local d = lease_data(l.d)
   hput(h, 'l:' .. spec.id, nil)
   if redis.call('ZREM', spec.z, d.m) == 1 then count(h, d.m, -1) end
   local incs = {}
@@ -979,7 +1182,7 @@ local function extend(ttl)
   local l = read_lease(h, spec.id)
   if not l then return nil end
   local ends = max(now, tonumber(l.hold_until) or now) + ttl
-  local ok, data = pcall(cjson.decode, l.d)
+  local ok, data = pcall(lease_data, l.d)
   if ok and type(data) == 'table' and type(data.m) == 'string' then
     redis.call('ZADD', spec.z, 'XX', fmt(ends), data.m)
   end
@@ -1088,7 +1291,14 @@ local ops = {decide = op_decide, release = op_release, upstream = op_upstream, r
 local function run(name, body, data)
   local f = ops[name]
   if f == nil then return redis.error_reply('admitd: unknown operation ' .. tostring(name)) end
-  spec, extra = cjson.decode(body), data or ''
+  if name == 'decide' then
+    spec = {mp_unpack(body)}
+  elseif name == 'release' then
+    spec = release_spec(body)
+  else
+    spec = cjson.decode(body)
+  end
+  extra = data or ''
   return f()
 end
 

@@ -20,8 +20,10 @@ pub(super) struct Queued {
     /// ([`super::keys::Keys::probe`]).
     pub(super) route: String,
     pub(super) op: &'static str,
-    pub(super) spec: String,
-    pub(super) data: String,
+    /// JSON, or MessagePack for `decide` and `release` (see `spec::decide_spec`).
+    pub(super) spec: Vec<u8>,
+    /// What a lease keeps (MessagePack; empty for other operations).
+    pub(super) data: Vec<u8>,
     pub(super) answer: tokio::sync::oneshot::Sender<Reply>,
 }
 
@@ -33,14 +35,14 @@ pub(super) enum Reply {
     /// Its spec and data come back to be sent where the slot is.
     Elsewhere {
         why: String,
-        spec: String,
-        data: String,
+        spec: Vec<u8>,
+        data: Vec<u8>,
     },
     /// It was not sent: the lane could not connect.
     Unsent {
         error: StoreError,
-        spec: String,
-        data: String,
+        spec: Vec<u8>,
+        data: Vec<u8>,
     },
 }
 

@@ -233,8 +233,8 @@ impl RedisStore {
         generation: u64,
         route: &str,
         op: &'static str,
-        spec: String,
-        data: String,
+        spec: Vec<u8>,
+        data: Vec<u8>,
     ) -> Result<redis::Value, StoreError> {
         let deadline = tokio::time::Instant::now() + self.cfg.timeout;
         let slot = slot(route);

@@ -433,9 +433,10 @@ impl RedisStore {
         self: &Arc<Self>,
         route: &str,
         op: &'static str,
-        spec: String,
-        data: String,
+        spec: impl Into<Vec<u8>>,
+        data: impl Into<Vec<u8>>,
     ) -> Result<redis::Value, StoreError> {
+        let (spec, data) = (spec.into(), data.into());
         let Some(conns) = self.conns.load_full() else {
             return Err(StoreError::Connection(self.last_error.lock().clone()));
         };
@@ -596,11 +597,6 @@ impl RedisStore {
         let cancel = info
             .as_ref()
             .is_some_and(|i| i.outcome == crate::engine::Outcome::Cancelled);
-        let spent: serde_json::Map<String, Value> = settle
-            .iter()
-            .flat_map(|s| s.spent.iter())
-            .map(|(u, x)| (u.to_string(), json!(x)))
-            .collect();
         let limited = info.as_ref().is_some_and(ReleaseInfo::rate_limited);
         // How the answer counts besides a 429, as in memory (`ReleaseInfo`): a cancelled call's not
         // at all, a 503 as no accept, only an ok answer below 500 as healthy.
@@ -623,29 +619,25 @@ impl RedisStore {
                 _ => "never",
             },
         };
-        let mut spec = json!({
-            "h": self.keys.hash(&tenant),
-            "z": self.keys.leases(&tenant),
-            "id": format!("{lease:016x}"),
-            "refund": refund,
-            "report": report,
-            "limited": limited,
-            "ok": accepted,
-            "healthy": healthy,
-            "retry_after": retry_after,
-            "default_penalty": DEFAULT_PENALTY_US,
-            "duration": duration,
-            "cancel": cancel,
-            "spent": spent,
-        });
-        // The actual cost in cost units, when the release reports one (else the admission's stands).
-        if let Some(cost) = settle.as_ref().and_then(|s| s.cost) {
-            spec["cost"] = json!(cost);
-        }
+        let spec = spec::release_spec(
+            &self.keys,
+            &tenant,
+            lease,
+            spec::ReleaseSpec {
+                refund,
+                report,
+                limited,
+                retry_after,
+                default_penalty: DEFAULT_PENALTY_US,
+                duration,
+                cancel,
+                ok: accepted,
+                healthy,
+                settle: settle.as_ref(),
+            },
+        );
         let route = self.keys.tenant_base(&tenant);
-        let v = self
-            .invoke(&route, "release", spec.to_string(), String::new())
-            .await?;
+        let v = self.invoke(&route, "release", spec, String::new()).await?;
         let parts = strings(v)?;
         if parts.first().map(String::as_str) != Some("released") || parts.len() < 8 {
             return Ok(None);
