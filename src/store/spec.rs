@@ -171,6 +171,11 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
             .iter()
             .map(|u| report_spec(keys, tenant, u, split && u.cross_tenant()))
             .collect(),
+        x: if part == Part::Tenant {
+            cross_layers(keys, tenant, call)
+        } else {
+            Vec::new()
+        },
     };
     let data = serde_json::to_string(&data).unwrap_or_default();
     let spec = DecideSpec {
@@ -492,6 +497,27 @@ struct LeaseData<'a> {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     spend: Vec<LeaseSpend<'a>>,
     up: Vec<ReportSpec<'a>>,
+    /// In a cluster, the call's cross-tenant bucket layers, decided apart (on their own shard, or
+    /// from this replica's slices), which a release's `cost` settles after the script call.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    x: Vec<CrossLayer>,
+}
+
+/// A cross-tenant bucket layer as a release settles it: its key, the tokens the call took, the
+/// microseconds a token is worth, and whether it is a global bucket (spent from slices).
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub(super) struct CrossLayer(pub String, pub f64, pub f64, pub bool);
+
+/// The call's cross-tenant bucket layers, for the lease of its tenant's part.
+fn cross_layers(keys: &Keys, tenant: &str, call: &RemoteCall) -> Vec<CrossLayer> {
+    call.layers
+        .iter()
+        .filter(|l| l.key.cross_tenant())
+        .map(|l| {
+            let global = matches!(l.key, StateKey::GlobalBucket(_));
+            CrossLayer(keys.key(tenant, &l.key), l.tokens, l.t_us, global)
+        })
+        .collect()
 }
 
 /// An upstream as the script reads it to take its answer (penalty, AIMD, adaptive window).
