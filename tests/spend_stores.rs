@@ -2,14 +2,15 @@
 //! Redis each test starts): reserve and settle, debt, cancellation, run against daily budgets,
 //! plans, estimates from the call, the tool and the unit, parallel calls of one run, shadow mode
 //! and a restart, a release's `cost` settling buckets and daily quotas, and the spend
-//! `/v1/tenants/{tenant}` shows; and two replicas on one Redis sharing one run's budget, and the
-//! snapshot's spend alike in both stores.
+//! `/v1/tenants/{tenant}` shows; and two replicas on one Redis sharing one run's budget, the
+//! snapshot's spend alike in both stores, and on a Redis Cluster a release's `cost` settling the
+//! cross-tenant layers (global bucket, shared upstream) on their own shards.
 
 mod common;
 
 use std::time::Duration;
 
-use common::redis::RedisServer;
+use common::redis::{RedisCluster, RedisServer};
 use common::Daemon;
 use serde_json::{json, Value};
 
@@ -534,4 +535,78 @@ fn the_snapshots_spend_is_the_same_in_both_stores() {
         close(tokens["day_remaining"].as_f64().unwrap(), 450.0),
         "{memory}"
     );
+}
+
+/// A global bucket of 8 and a shared upstream's of 4, refilling one an hour, on a three-shard
+/// cluster: both live on shards of their own, apart from the tenant's.
+fn cross_config(cluster: &RedisCluster, slice: &str) -> String {
+    format!(
+        "[limits.subject]\nrate = \"1000/s\"\nburst = 1000\n\
+         [limits.tenant]\nrate = \"1000/s\"\nburst = 1000\n\
+         [limits.global]\nrate = \"1/h\"\nburst = 8\n\
+         [upstreams.api]\nrate = \"1/h\"\nburst = 4\nshared = true\n\
+         [tools.ask]\nupstream = \"api\"\n\
+         [store]\nkind = \"redis\"\nurl = \"{}\"\ncluster = true\ntimeout = \"500ms\"\nslice = \"{slice}\"\n",
+        cluster.url()
+    )
+}
+
+/// On a Redis Cluster, a release's `cost` settles the call's cross-tenant layers as it settles the
+/// tenant's: a cache hit (`cost: 0`) gives the shared upstream's and the global bucket's tokens
+/// back, a dear call charges both on top. With `slice` on, the global bucket settles in the
+/// replica's slice where it can (which may hold up to two calls' tokens of its own).
+fn release_cost_settles_the_cross_tenant_layers(slice: &str) {
+    let cluster = RedisCluster::start(3);
+    let d = Daemon::start(&cross_config(&cluster, slice));
+    let sliced = slice != "0s";
+    let ask =
+        |tool: &str| json!({"tenant": "acme", "subject": "bot", "tool": tool, "max_wait_ms": 0});
+    // Ten calls of the upstream of 4, each a cache hit: every one is admitted.
+    for i in 0..10 {
+        let a = d.admit(ask("ask"));
+        assert_eq!(a.status, 200, "ask {i}: {}", a.body);
+        release(&d, &lease(&a), "ok", json!({"cost": 0}));
+    }
+    // Ten calls of the global bucket of 8 alone (decided from slices when they are on).
+    for i in 0..10 {
+        let a = d.admit(ask("search"));
+        assert_eq!(a.status, 200, "search {i}: {}", a.body);
+        release(&d, &lease(&a), "ok", json!({"cost": 0}));
+    }
+    // A call that cost 4 takes the upstream's last 3 tokens on top of its 1.
+    let a = d.admit(ask("ask"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    release(&d, &lease(&a), "ok", json!({"cost": 4}));
+    let r = d.admit(ask("ask"));
+    assert_eq!(r.status, 429, "the upstream is spent: {}", r.body);
+    assert_eq!(r.body["scope"], "tenant_upstream", "{}", r.body);
+    // The global bucket gave 4 of its 8 to that call: one that cost 8 takes it below empty.
+    let a = d.admit(ask("search"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    release(&d, &lease(&a), "ok", json!({"cost": 8}));
+    // Without the charge, three more calls would pass; a slice may still hold two of its own.
+    let mut passed = 0;
+    let refused = loop {
+        let r = d.admit(ask("search"));
+        if r.status != 200 {
+            break r;
+        }
+        passed += 1;
+        assert!(passed <= 2, "the global bucket was not charged: {}", r.body);
+    };
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["scope"], "global", "{}", refused.body);
+    if !sliced {
+        assert_eq!(passed, 0);
+    }
+}
+
+#[test]
+fn on_a_cluster_release_cost_settles_cross_tenant_layers_on_their_shards() {
+    release_cost_settles_the_cross_tenant_layers("0s");
+}
+
+#[test]
+fn on_a_cluster_release_cost_settles_the_global_bucket_in_slices() {
+    release_cost_settles_the_cross_tenant_layers("100ms");
 }

@@ -50,6 +50,7 @@
 --   release  end a lease: free its slots, refund what a cancelled hold took, report the upstream
 --   upstream report an upstream's answer seen outside a lease (penalty, AIMD, adaptive window)
 --   refund   give back bucket tokens (a cross-shard part of a call refused by another shard)
+--   charge   take bucket tokens whatever the bucket holds (a release's cost above the admission's)
 --   snapshot read a tenant's state for GET /v1/tenants/{tenant} (its spend of the day included)
 --   task     make a lease an MCP task (its end at the task TTL) and schedule its first poll
 --   poll     check a task's poll against its schedule; schedule the next one when on time
@@ -966,6 +967,17 @@ local function refund(incs)
   end
 end
 
+-- Takes tokens whatever the bucket holds (the call has already run: it refills later); `incs` as
+-- for `refund`.
+local function charge(incs)
+  for _, kv in ipairs(incs) do
+    local f = kv[2] .. 'tat'
+    load(kv[1], {f})
+    local tat = max(num(hget(kv[1], f), 0), now) + kv[3]
+    write_bucket({k = kv[1], fp = kv[2]}, tat + GRACE, 'tat', fmt(tat))
+  end
+end
+
 -- What a lease keeps for its release: a MessagePack map (JSON from a version before it).
 local function lease_data(d)
   if sub(d, 1, 1) == '{' then return cjson.decode(d) end
@@ -1025,11 +1037,7 @@ local function op_release()
         if inc > 0 and diff > 0 then
           refund({{kv[1], kv[2], inc}})
         elseif inc > 0 then
-          -- Charged whatever the bucket holds: the call has already run.
-          local f = kv[2] .. 'tat'
-          load(kv[1], {f})
-          local tat = max(num(hget(kv[1], f), 0), now) + inc
-          write_bucket({k = kv[1], fp = kv[2]}, tat + GRACE, 'tat', fmt(tat))
+          charge({{kv[1], kv[2], inc}})
         end
       end
       for _, q in ipairs(d.quotas) do
@@ -1100,7 +1108,15 @@ local function op_release()
     name = ups[1].n or ''
     if ups[1].x then cross = cjson.encode(ups[1]) end
   end
-  return {'released', fmt(penalty), d.subject, d.tool, name, cross, l.hold_until, NOW, probe}
+  local r = {'released', fmt(penalty), d.subject, d.tool, name, cross, l.hold_until, NOW, probe or ''}
+  -- In a cluster the cross-tenant layers (`d.x`, on shards of their own) are settled by admitd
+  -- after this call: it is told the admission's cost and those layers.
+  if d.x and type(spec.cost) == 'number' and not give_back and l.flags ~= 'n' and (d.cost or 0) > 0
+      and d.cost ~= spec.cost then
+    r[10] = fmt(d.cost)
+    r[11] = cjson.encode(d.x)
+  end
+  return r
 end
 
 local function op_upstream()
@@ -1121,6 +1137,11 @@ end
 
 local function op_refund()
   refund(spec.incs)
+  return {'ok'}
+end
+
+local function op_charge()
+  charge(spec.incs)
   return {'ok'}
 end
 
@@ -1285,6 +1306,7 @@ local function op_slice()
 end
 
 local ops = {decide = op_decide, release = op_release, upstream = op_upstream, refund = op_refund,
+  charge = op_charge,
   snapshot = op_snapshot, task = op_task, poll = op_poll, renew = op_renew, probe = op_probe,
   slice = op_slice}
 

@@ -9,7 +9,7 @@ use serde_json::json;
 use super::error::StoreError;
 use super::redis::RedisStore;
 use super::slices::{Slice, Spent};
-use super::spec::{self, parse_decide, strings, Part};
+use super::spec::{self, parse_decide, strings, CrossLayer, Part};
 use crate::engine::{RemoteAnswer, RemoteCall, StateKey};
 
 /// A global layer of a call spent from this replica's slice.
@@ -141,6 +141,50 @@ impl RedisStore {
         // A cross-tenant bucket is a hash of its own: its fields carry no prefix.
         let spec = json!({"incs": [[key, "", us]]}).to_string();
         let _ = self.invoke(key, "refund", spec, String::new()).await;
+    }
+
+    /// Settles a released call's cross-tenant bucket layers to its actual `cost` (the script's
+    /// release settled its tenant's layers and answered `admitted`, the admission's cost, and
+    /// `layers`, those it could not reach: on shards of their own). As there, the difference goes
+    /// back to each bucket, or is charged on top, in proportion to what the call took, at the
+    /// bucket's configured rate. A global bucket spent from slices settles in this replica's slice
+    /// when it can, without a script call: a give-back while the slice may still be spent (the
+    /// tokens are the bucket's either way; what the slice holds goes back when it expires), a charge
+    /// while the slice holds it (spent capacity as any call's); else on the bucket's shard.
+    pub(super) async fn settle_cross(self: &Arc<Self>, admitted: &str, layers: &str, cost: f64) {
+        let (Ok(admitted), Ok(layers)) = (
+            admitted.parse::<f64>(),
+            serde_json::from_str::<Vec<CrossLayer>>(layers),
+        ) else {
+            return;
+        };
+        let share = (cost - admitted) / admitted;
+        if !share.is_finite() || share == 0.0 {
+            return;
+        }
+        let now = self.mono();
+        for CrossLayer(key, tokens, t_us, global) in &layers {
+            let tokens = tokens * share.abs();
+            if *global && !self.cfg.slice.is_zero() {
+                let slice = self.slices.get(key);
+                let settled = if share < 0.0 {
+                    slice.give_back(tokens, now)
+                } else {
+                    matches!(slice.spend(tokens, now), Spent::Local { .. })
+                };
+                if settled {
+                    continue;
+                }
+            }
+            let us = (tokens * t_us).floor();
+            if us <= 0.0 {
+                continue;
+            }
+            let op = if share < 0.0 { "refund" } else { "charge" };
+            // A cross-tenant bucket is a hash of its own: its fields carry no prefix.
+            let spec = json!({"incs": [[key, "", us]]}).to_string();
+            let _ = self.invoke(key, op, spec, String::new()).await;
+        }
     }
 
     /// Gives back every slice this replica holds (it stops): what its callers did not spend is the

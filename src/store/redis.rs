@@ -642,6 +642,14 @@ impl RedisStore {
         if parts.first().map(String::as_str) != Some("released") || parts.len() < 8 {
             return Ok(None);
         }
+        // A cluster's cross-tenant layers, which the script could not reach, settle their cost here.
+        if let (Some(admitted), Some(layers), Some(cost)) = (
+            parts.get(9),
+            parts.get(10),
+            settle.as_ref().and_then(|s| s.cost),
+        ) {
+            self.settle_cross(admitted, layers, cost).await;
+        }
         let mut penalty_us: f64 = parts[1].parse().unwrap_or(0.0);
         if let Some(probe) = parts.get(8) {
             self.write_probe(&tenant, probe, limited).await;

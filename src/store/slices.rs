@@ -138,6 +138,17 @@ impl Slice {
             .fetch_add((tokens * UNIT).ceil() as u64, Ordering::AcqRel);
     }
 
+    /// Adds `tokens` a call gave back (its release's cost below its admission's) to the slice, if it
+    /// may still be spent; false (nothing changed) once it has expired.
+    pub fn give_back(&self, tokens: f64, now: Nanos) -> bool {
+        if now >= self.until.load(Ordering::Acquire) {
+            return false;
+        }
+        self.left
+            .fetch_add((tokens * UNIT).floor() as u64, Ordering::AcqRel);
+        true
+    }
+
     /// Whether a refill should start now: none on its way, and less than half a slice left (or the
     /// slice expired). Marks one as started when it says yes.
     pub fn wants_refill(&self, call: f64, burst: f64, span: Nanos, now: Nanos) -> Option<f64> {

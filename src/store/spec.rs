@@ -115,6 +115,11 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
             .iter()
             .map(|u| report_spec(keys, tenant, u, split && u.cross_tenant()))
             .collect(),
+        x: if part == Part::Tenant {
+            cross_layers(keys, tenant, call)
+        } else {
+            Vec::new()
+        },
     };
     let data = data.pack();
 
@@ -534,12 +539,33 @@ struct LeaseData<'a> {
     /// Absent when empty.
     spend: Vec<LeaseSpend<'a>>,
     up: Vec<ReportSpec<'a>>,
+    /// In a cluster, the call's cross-tenant bucket layers, decided apart (on their own shard, or
+    /// from this replica's slices), which a release's `cost` settles after the script call.
+    /// Absent when empty.
+    x: Vec<CrossLayer>,
+}
+
+/// A cross-tenant bucket layer as a release settles it: its key, the tokens the call took, the
+/// microseconds a token is worth, and whether it is a global bucket (spent from slices).
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub(super) struct CrossLayer(pub String, pub f64, pub f64, pub bool);
+
+/// The call's cross-tenant bucket layers, for the lease of its tenant's part.
+fn cross_layers(keys: &Keys, tenant: &str, call: &RemoteCall) -> Vec<CrossLayer> {
+    call.layers
+        .iter()
+        .filter(|l| l.key.cross_tenant())
+        .map(|l| {
+            let global = matches!(l.key, StateKey::GlobalBucket(_));
+            CrossLayer(keys.key(tenant, &l.key), l.tokens, l.t_us, global)
+        })
+        .collect()
 }
 
 impl LeaseData<'_> {
     fn pack(&self) -> Vec<u8> {
         let mut p = Pack::default();
-        p.map(7 + usize::from(!self.spend.is_empty()));
+        p.map(7 + usize::from(!self.spend.is_empty()) + usize::from(!self.x.is_empty()));
         p.str("subject");
         p.str(self.subject);
         p.str("tool");
@@ -580,6 +606,17 @@ impl LeaseData<'_> {
         p.array(self.up.len());
         for u in &self.up {
             u.pack(&mut p);
+        }
+        if !self.x.is_empty() {
+            p.str("x");
+            p.array(self.x.len());
+            for CrossLayer(key, tokens, t_us, global) in &self.x {
+                p.array(4);
+                p.str(key);
+                p.num(*tokens);
+                p.num(*t_us);
+                p.bool(*global);
+            }
         }
         p.0
     }

@@ -217,13 +217,36 @@ fn render_counter<V: std::fmt::Display>(
 }
 
 /// A counter whose increments are fractions (spend in dollars, say): the exporter's counters count
-/// whole numbers only. Recorded by the metrics actor alone, a few times a second at most (once per
-/// tenant report), so a lock is all it needs.
+/// whole numbers only. Recorded by the metrics actor alone, once per tenant report: a series is
+/// looked up once and then added to through its [`Sum`], since building its key and finding it
+/// among thousands of tenants' cost every report of a tenant with spend about 500 instructions
+/// (docs/BENCHMARKS.md, "Spend budgets").
 #[derive(Debug)]
 pub struct SumFamily {
     name: &'static str,
     labels: &'static [&'static str],
-    series: Mutex<BTreeMap<Box<str>, f64>>,
+    series: Mutex<BTreeMap<Box<str>, Sum>>,
+}
+
+/// One series of a [`SumFamily`]: its sum, as the bits of an `f64`.
+#[derive(Debug, Clone, Default)]
+pub struct Sum(Arc<AtomicU64>);
+
+impl Sum {
+    /// Adds `x` (ignored unless positive and finite: a counter never goes down).
+    pub fn add(&self, x: f64) {
+        if x.is_finite() && x > 0.0 {
+            let _ = self
+                .0
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                    Some((f64::from_bits(b) + x).to_bits())
+                });
+        }
+    }
+
+    fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
 }
 
 impl SumFamily {
@@ -237,10 +260,15 @@ impl SumFamily {
 
     /// Adds `x` (ignored unless positive and finite: a counter never goes down).
     pub fn add(&self, values: &[&str], x: f64) {
-        debug_assert_eq!(values.len(), self.labels.len());
         if x.is_finite() && x > 0.0 {
-            *self.series.lock().entry(join(values)).or_default() += x;
+            self.series(values).add(x);
         }
+    }
+
+    /// The series of these label values (made at zero when new), to add to later.
+    pub fn series(&self, values: &[&str]) -> Sum {
+        debug_assert_eq!(values.len(), self.labels.len());
+        self.series.lock().entry(join(values)).or_default().clone()
     }
 
     /// Appends the family in the Prometheus text format (nothing when it has no series yet).
@@ -249,7 +277,8 @@ impl SumFamily {
             .series
             .lock()
             .iter()
-            .map(|(k, v)| (k.clone(), *v))
+            .map(|(k, v)| (k.clone(), v.get()))
+            .filter(|(_, v)| *v > 0.0)
             .collect();
         if series.is_empty() {
             return;
@@ -463,5 +492,25 @@ mod tests {
         assert!(out.contains("d_seconds_bucket{le=\"0.01\"} 1\n"), "{out}");
         assert!(out.contains("d_seconds_sum 0.01\n"), "{out}");
         assert!(out.contains("d_seconds_count 1\n"), "{out}");
+    }
+
+    #[test]
+    fn a_sum_adds_through_its_series_handle_and_a_series_still_at_zero_is_not_shown() {
+        let f = SumFamily::new("s_total", &["tenant", "unit"]);
+        let usd = f.series(&["a", "usd"]);
+        let _tokens = f.series(&["a", "tokens"]);
+        let mut out = String::new();
+        f.render(&mut out);
+        assert_eq!(out, "", "a series nothing was added to");
+        usd.add(0.25);
+        usd.add(f64::NAN);
+        usd.add(-1.0);
+        f.add(&["a", "usd"], 0.5);
+        f.render(&mut out);
+        assert!(
+            out.contains("s_total{tenant=\"a\",unit=\"usd\"} 0.75\n"),
+            "{out}"
+        );
+        assert!(!out.contains("tokens"), "{out}");
     }
 }

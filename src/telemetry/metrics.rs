@@ -149,6 +149,8 @@ struct TenantGauges {
     tasks: Option<Gauge>,
     /// Per spend unit with a tenant daily budget: what is left and the budget.
     spend: Vec<(Arc<str>, Gauge, Gauge)>,
+    /// Per spend unit this tenant settled spend in: its `admitd_spend_total` series.
+    spend_total: Vec<(Arc<str>, crate::telemetry::histogram::Sum)>,
 }
 
 impl TenantGauges {
@@ -163,6 +165,7 @@ impl TenantGauges {
             quota: None,
             tasks: None,
             spend: Vec::new(),
+            spend_total: Vec::new(),
         }
     }
 }
@@ -543,7 +546,15 @@ impl MetricsActor {
                         g.spend[i].2.set(budget);
                     }
                     for (unit, x) in &gauges.spend_settled {
-                        self.histograms.spend.add(&[&tenant, unit], *x);
+                        let i = match g.spend_total.iter().position(|(u, _)| u == unit) {
+                            Some(i) => i,
+                            None => {
+                                let sum = self.histograms.spend.series(&[&tenant, unit]);
+                                g.spend_total.push((unit.clone(), sum));
+                                g.spend_total.len() - 1
+                            }
+                        };
+                        g.spend_total[i].1.add(*x);
                     }
                     // A budget whose state was dropped (or whose tenant stopped) is back at its
                     // configured rate with no throttle: say so rather than freeze the last value.
