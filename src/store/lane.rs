@@ -248,9 +248,9 @@ impl Lanes {
 
     /// A batch's script call (`EVALSHA`), written straight into one command sized for the whole
     /// batch. `redis::ScriptInvocation` copied every argument into a buffer of its own first and
-    /// grew its lists as they came: three allocations and a copy per operation, which with the
-    /// growth's reallocations cost about 1 µs of admitd's CPU per admission (perf, the shared-store
-    /// benchmark).
+    /// grew its lists as they came: three allocations and a copy more per operation (callgrind,
+    /// `scripts/count.sh` in Redis mode: building the call 1 500 -> 1 000 instructions per
+    /// admission).
     fn batch_cmd(&self, batch: &[Queued]) -> redis::Cmd {
         let per_op = if self.routed { 4 } else { 3 };
         let bytes: usize = batch
