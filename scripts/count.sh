@@ -15,7 +15,8 @@
 # over the difference of the requests is the cost of one request. Prints that total and, with
 # TOP [25] > 0, the functions whose own instructions per request changed the most. Needs valgrind
 # (callgrind_control, callgrind_annotate) and a release build. Environment: CONFIG
-# [benches/throughput.toml], OUT [target/count], PORT [19490], SERVER_CPU [0], CLIENT_CPU [1].
+# [benches/throughput.toml], ADMITD [target/release/admitd] (another build to compare), OUT
+# [target/count], PORT [19490], SERVER_CPU [0], CLIENT_CPU [1].
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,7 @@ LOW_RATE=${LOW_RATE:-100}
 HIGH_RATE=${HIGH_RATE:-400}
 TOP=${TOP:-25}
 CONFIG=${CONFIG:-benches/throughput.toml}
+ADMITD=${ADMITD:-target/release/admitd}
 OUT=${OUT:-target/count}
 PORT=${PORT:-19490}
 SERVER_CPU=${SERVER_CPU:-0}
@@ -37,7 +39,7 @@ for tool in valgrind callgrind_control callgrind_annotate taskset curl python3; 
 done
 LOADGEN=$(find target/release/deps -maxdepth 1 -name 'loadgen-*' -type f -executable -printf '%T@ %p\n' 2>/dev/null |
     sort -nr | head -n 1 | cut -d' ' -f2-)
-[[ -x target/release/admitd && -n $LOADGEN ]] ||
+[[ -x $ADMITD && -n $LOADGEN ]] ||
     { echo "count.sh: build first: cargo build --release && cargo bench --bench loadgen --no-run" >&2; exit 1; }
 mkdir -p "$OUT"
 name=${SERVER:-admitd}
@@ -54,7 +56,7 @@ count() {
             "$LOADGEN" --floor-only "$PORT" --lifetime 600 >"$OUT/$name.log" 2>&1 &
     else
         taskset -c "$SERVER_CPU" valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$file" \
-            target/release/admitd serve --listen "127.0.0.1:$PORT" --config "$CONFIG" >"$OUT/$name.log" 2>&1 &
+            "$ADMITD" serve --listen "127.0.0.1:$PORT" --config "$CONFIG" >"$OUT/$name.log" 2>&1 &
     fi
     server_pid=$!
     local up=""

@@ -202,21 +202,8 @@ impl Lanes {
     /// its own operation only, as in a larger batch; on a cluster `routed`) and hands each operation
     /// its answer.
     async fn send_batch(&self, mut con: redis::aio::MultiplexedConnection, batch: Vec<Queued>) {
-        let inv = if self.routed {
-            let mut inv = self.script.arg("routed");
-            for q in &batch {
-                inv.arg(&q.route).arg(q.op).arg(&q.spec).arg(&q.data);
-            }
-            inv
-        } else {
-            let mut inv = self.script.key(&batch[0].route);
-            inv.arg("batch");
-            for q in &batch {
-                inv.arg(q.op).arg(&q.spec).arg(&q.data);
-            }
-            inv
-        };
-        let sent = match tokio::time::timeout(IN_FLIGHT_LIMIT, inv.invoke_async(&mut con)).await {
+        let cmd = self.batch_cmd(&batch);
+        let sent = match tokio::time::timeout(IN_FLIGHT_LIMIT, self.call(&mut con, &cmd)).await {
             Err(_) => Err(StoreError::Timeout),
             Ok(Err(e)) if self.routed && refused_here(&e) => {
                 // Refused whole before it ran (a node that became a replica, say): every operation
@@ -256,6 +243,55 @@ impl Lanes {
                     let _ = q.answer.send(Reply::Done(Err(e.clone())));
                 }
             }
+        }
+    }
+
+    /// A batch's script call (`EVALSHA`), written straight into one command sized for the whole
+    /// batch. `redis::ScriptInvocation` copied every argument into a buffer of its own first and
+    /// grew its lists as they came: three allocations and a copy more per operation (callgrind,
+    /// `scripts/count.sh` in Redis mode: building the call 1 500 -> 1 000 instructions per
+    /// admission).
+    fn batch_cmd(&self, batch: &[Queued]) -> redis::Cmd {
+        let per_op = if self.routed { 4 } else { 3 };
+        let bytes: usize = batch
+            .iter()
+            .map(|q| {
+                q.op.len()
+                    + q.spec.len()
+                    + q.data.len()
+                    + if self.routed { q.route.len() } else { 0 }
+            })
+            .sum();
+        let mut cmd =
+            redis::Cmd::with_capacity(5 + per_op * batch.len(), 64 + batch[0].route.len() + bytes);
+        cmd.arg("EVALSHA").arg(self.script.get_hash());
+        if self.routed {
+            cmd.arg(0).arg("routed");
+            for q in batch {
+                cmd.arg(&q.route).arg(q.op).arg(&q.spec).arg(&q.data);
+            }
+        } else {
+            cmd.arg(1).arg(&batch[0].route).arg("batch");
+            for q in batch {
+                cmd.arg(q.op).arg(&q.spec).arg(&q.data);
+            }
+        }
+        cmd
+    }
+
+    /// Sends a script call; a Redis that does not know the script (restarted, `SCRIPT FLUSH`) is
+    /// sent it and asked again.
+    async fn call(
+        &self,
+        con: &mut redis::aio::MultiplexedConnection,
+        cmd: &redis::Cmd,
+    ) -> redis::RedisResult<redis::Value> {
+        match cmd.query_async(con).await {
+            Err(e) if e.code() == Some("NOSCRIPT") => {
+                self.script.load_async(con).await?;
+                cmd.query_async(con).await
+            }
+            r => r,
         }
     }
 }
