@@ -14,14 +14,71 @@
 //! after its last call, and at most [`MAX_RUNS`] runs are kept per tenant (past it, the run idle
 //! longest is forgotten first).
 
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
+use hashbrown::hash_table::Entry;
+use hashbrown::HashTable;
 use smallvec::SmallVec;
 
 use crate::clock::Nanos;
 use crate::config::{SpendBudgets, SpendUnit};
 
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
+/// Figures by name (a subject's, a run's), in a table that lets [`SpendLedger::check`] hand
+/// [`SpendLedger::reserve`] where it found them.
+type Named<V> = HashTable<(Arc<str>, V)>;
+
+/// Where a name is or would go in a [`Named`] table: its hash, and the bucket it was found in.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    hash: u64,
+    index: Option<usize>,
+}
+
+/// Where [`SpendLedger::check`] found a call's subject and run (when it looked them up), so that
+/// [`SpendLedger::reserve`] finds them without a second lookup each. What it bought is in
+/// docs/BENCHMARKS.md ("Spend budgets").
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Found {
+    subject: Option<Slot>,
+    run: Option<Slot>,
+}
+
+/// The entry of `key` in `table`: at `slot`'s bucket when that still holds it, else looked up by
+/// `slot`'s hash (which must be `key`'s).
+fn at_slot<V>(table: &Named<V>, slot: Slot, key: &str) -> Option<usize> {
+    slot.index
+        .filter(|&i| table.get_bucket(i).is_some_and(|(k, _)| **k == *key))
+        .or_else(|| table.find_bucket_index(slot.hash, |(k, _)| **k == *key))
+}
+
+#[cfg(test)]
+fn find<'a, V>(table: &'a Named<V>, hasher: &Hasher, key: &str) -> Option<&'a V> {
+    table
+        .find(hasher.hash_one(key), |(k, _)| **k == *key)
+        .map(|(_, v)| v)
+}
+
+fn find_mut<'a, V>(table: &'a mut Named<V>, hasher: &Hasher, key: &str) -> Option<&'a mut V> {
+    table
+        .find_mut(hasher.hash_one(key), |(k, _)| **k == *key)
+        .map(|(_, v)| v)
+}
+
+/// Sets `key`'s figures (replacing any it had).
+fn put<V>(table: &mut Named<V>, hasher: &Hasher, key: Arc<str>, v: V) {
+    let hash = hasher.hash_one(&*key);
+    match table.entry(hash, |(k, _)| *k == key, |(k, _)| hasher.hash_one(&**k)) {
+        Entry::Occupied(mut e) => e.get_mut().1 = v,
+        Entry::Vacant(e) => {
+            e.insert((key, v));
+        }
+    }
+}
+
+type Hasher = foldhash::fast::RandomState;
 
 /// One figure per unit, by the unit's index in the config (two inline: most configs have one or two).
 pub type Figures = SmallVec<[f64; 2]>;
@@ -130,11 +187,12 @@ pub struct SpendLedger {
     /// The UTC day the daily figures are for.
     day: i64,
     tenant: Figures,
-    subjects: HashMap<Arc<str>, Figures>,
-    runs: HashMap<Arc<str>, Run>,
+    subjects: Named<Figures>,
+    runs: Named<Run>,
     holds: HashMap<u64, Hold>,
     /// Settled spend per unit not yet reported to metrics.
     settled: Figures,
+    hasher: Hasher,
 }
 
 impl SpendLedger {
@@ -185,8 +243,8 @@ impl SpendLedger {
         out
     }
 
-    /// Whether the estimates fit every budget that applies; nothing changes either way. `Ok` holds
-    /// what the admitted answer reports per unit (after the reservation).
+    /// [`SpendLedger::check_found`] without what it found.
+    #[cfg(test)]
     pub fn check(
         &mut self,
         b: Budgets<'_>,
@@ -196,16 +254,47 @@ impl SpendLedger {
         day: i64,
         now: Nanos,
     ) -> Result<SpendViews, SpendShort> {
+        self.check_found(b, subject, run, estimates, day, now)
+            .map(|(views, _)| views)
+    }
+
+    /// Whether the estimates fit every budget that applies; nothing changes either way. `Ok` holds
+    /// what the admitted answer reports per unit (after the reservation), and where the subject
+    /// and run were found, for [`SpendLedger::reserve_found`].
+    pub fn check_found(
+        &mut self,
+        b: Budgets<'_>,
+        subject: &str,
+        run: Option<&str>,
+        estimates: &[f64],
+        day: i64,
+        now: Nanos,
+    ) -> Result<(SpendViews, Found), SpendShort> {
         self.roll(day);
-        // Each map is looked up once, and only when some unit has a budget that reads it.
+        let mut found = Found::default();
+        // Each table is looked up once, and only when some unit has a budget that reads it.
         let run = run
             .filter(|_| b.budgets.iter().any(|x| x.run.is_some()))
-            .map(|r| self.runs.get(r));
+            .map(|r| {
+                let hash = self.hasher.hash_one(r);
+                let index = self.runs.find_bucket_index(hash, |(k, _)| **k == *r);
+                found.run = Some(Slot { hash, index });
+                index.and_then(|i| self.runs.get_bucket(i)).map(|(_, x)| x)
+            });
         let subject = b
             .budgets
             .iter()
             .any(|x| x.subject_daily.is_some())
-            .then(|| self.subjects.get(subject))
+            .then(|| {
+                let hash = self.hasher.hash_one(subject);
+                let index = self
+                    .subjects
+                    .find_bucket_index(hash, |(k, _)| **k == *subject);
+                found.subject = Some(Slot { hash, index });
+                index
+                    .and_then(|i| self.subjects.get_bucket(i))
+                    .map(|(_, x)| x)
+            })
             .flatten();
         let mut views = SmallVec::new();
         for (i, unit) in b.names.iter().enumerate() {
@@ -233,12 +322,12 @@ impl SpendLedger {
                 remaining: least,
             });
         }
-        Ok(views)
+        Ok((views, found))
     }
 
-    /// Reserves a call's estimates for lease `lease` in its day, subject and run (after a
-    /// successful [`SpendLedger::check`] on the same state). One lookup per map.
-    #[allow(clippy::too_many_arguments)] // each is one fact of the call; a struct would only rename them
+    /// [`SpendLedger::reserve_found`] with nothing found before.
+    #[cfg(test)]
+    #[allow(clippy::too_many_arguments)]
     pub fn reserve(
         &mut self,
         lease: u64,
@@ -249,18 +338,51 @@ impl SpendLedger {
         now: Nanos,
         units: &[SpendUnit],
     ) {
+        let found = Found::default();
+        self.reserve_found(lease, subject, run, estimates, day, now, units, found);
+    }
+
+    /// Reserves a call's estimates for lease `lease` in its day, subject and run, after a
+    /// successful [`SpendLedger::check_found`] of the same subject and run which found them at
+    /// `found` (the ledger unchanged since).
+    #[allow(clippy::too_many_arguments)] // each is one fact of the call; a struct would only rename them
+    pub fn reserve_found(
+        &mut self,
+        lease: u64,
+        subject: &Arc<str>,
+        run: Option<&Arc<str>>,
+        estimates: &Figures,
+        day: i64,
+        now: Nanos,
+        units: &[SpendUnit],
+        found: Found,
+    ) {
         self.roll(day);
         add_all(&mut self.tenant, estimates);
-        // Found by the name alone: the key is cloned only for a subject new today.
-        match self.subjects.get_mut(&**subject) {
-            Some(s) => add_all(s, estimates),
+        let slot = found.subject.unwrap_or_else(|| Slot {
+            hash: self.hasher.hash_one(&**subject),
+            index: None,
+        });
+        // The key is cloned only for a subject new today.
+        match at_slot(&self.subjects, slot, subject).and_then(|i| self.subjects.get_bucket_mut(i)) {
+            Some((_, s)) => add_all(s, estimates),
             None => {
-                self.subjects.insert(subject.clone(), estimates.clone());
+                let hasher = &self.hasher;
+                self.subjects.insert_unique(
+                    slot.hash,
+                    (subject.clone(), estimates.clone()),
+                    |(k, _)| hasher.hash_one(&**k),
+                );
             }
         }
         if let Some(run) = run {
-            let r = self.touch_run(run, now, units);
-            add_all(&mut r.spent, estimates);
+            let slot = found.run.unwrap_or_else(|| Slot {
+                hash: self.hasher.hash_one(&**run),
+                index: None,
+            });
+            if let Some(r) = self.touch_run(run, slot, now, units) {
+                add_all(&mut r.spent, estimates);
+            }
         }
         self.holds.insert(
             lease,
@@ -275,28 +397,50 @@ impl SpendLedger {
 
     /// Marks a run used now, forgetting first what it spent in each unit whose `run_idle` has
     /// passed since its last call; a new run is added within [`MAX_RUNS`].
-    fn touch_run(&mut self, run: &Arc<str>, now: Nanos, units: &[SpendUnit]) -> &mut Run {
-        if self.runs.len() >= MAX_RUNS && !self.runs.contains_key(run) {
-            self.forget_idle_runs(now, units);
-            if self.runs.len() >= MAX_RUNS {
-                let oldest = self
-                    .runs
-                    .iter()
-                    .min_by_key(|(_, r)| r.last)
-                    .map(|(k, _)| k.clone());
-                if let Some(k) = oldest {
-                    self.runs.remove(&k);
+    /// (`slot`: where the run is or goes; `None` only if the table lost it, which it does not.)
+    fn touch_run(
+        &mut self,
+        run: &Arc<str>,
+        slot: Slot,
+        now: Nanos,
+        units: &[SpendUnit],
+    ) -> Option<&mut Run> {
+        // The key is cloned only for a new run.
+        let index = match at_slot(&self.runs, slot, run) {
+            Some(i) => i,
+            None => {
+                if self.runs.len() >= MAX_RUNS {
+                    self.forget_idle_runs(now, units);
+                    if self.runs.len() >= MAX_RUNS {
+                        let oldest = self
+                            .runs
+                            .iter()
+                            .min_by_key(|(_, r)| r.last)
+                            .map(|(k, _)| k.clone());
+                        if let Some(k) = oldest {
+                            let hash = self.hasher.hash_one(&*k);
+                            if let Ok(e) = self.runs.find_entry(hash, |(x, _)| *x == k) {
+                                e.remove();
+                            }
+                        }
+                    }
                 }
+                let hasher = &self.hasher;
+                self.runs
+                    .insert_unique(slot.hash, (run.clone(), Run::default()), |(k, _)| {
+                        hasher.hash_one(&**k)
+                    })
+                    .bucket_index()
             }
-        }
-        let r = self.runs.entry(run.clone()).or_default();
+        };
+        let (_, r) = self.runs.get_bucket_mut(index)?;
         for (i, u) in units.iter().enumerate() {
             if now.saturating_sub(r.last) > u.run_idle.as_nanos() as u64 && i < r.spent.len() {
                 r.spent[i] = 0.0;
             }
         }
         r.last = now;
-        r
+        Some(r)
     }
 
     /// Forgets every run idle past the longest `run_idle` of any unit.
@@ -306,7 +450,8 @@ impl SpendLedger {
             .map(|u| u.run_idle.as_nanos() as u64)
             .max()
             .unwrap_or(0);
-        self.runs.retain(|_, r| now.saturating_sub(r.last) <= idle);
+        self.runs
+            .retain(|(_, r)| now.saturating_sub(r.last) <= idle);
     }
 
     /// Settles lease `lease`: what it actually spent per unit (`actual`, by unit index; a unit it does
@@ -358,14 +503,19 @@ impl SpendLedger {
         }
         if h.day == self.day {
             add_all(&mut self.tenant, &diff);
-            if let Some(s) = self.subjects.get_mut(&*h.subject) {
+            if let Some(s) = find_mut(&mut self.subjects, &self.hasher, &h.subject) {
                 add_all(s, &diff);
             } else {
-                self.subjects.insert(h.subject.clone(), diff.clone());
+                put(
+                    &mut self.subjects,
+                    &self.hasher,
+                    h.subject.clone(),
+                    diff.clone(),
+                );
             }
         }
         if let Some(run) = &h.run {
-            if let Some(r) = self.runs.get_mut(run) {
+            if let Some(r) = find_mut(&mut self.runs, &self.hasher, run) {
                 for (i, &d) in diff.iter().enumerate() {
                     let idle = units.get(i).map_or(0, |u| u.run_idle.as_nanos() as u64);
                     if now.saturating_sub(r.last) <= idle {
@@ -459,20 +609,23 @@ impl SpendLedger {
             self.day = d.day;
             self.tenant = unnamed(&d.tenant);
             for (s, f) in &d.subjects {
-                self.subjects.insert(Arc::from(s.as_str()), unnamed(f));
+                put(
+                    &mut self.subjects,
+                    &self.hasher,
+                    Arc::from(s.as_str()),
+                    unnamed(f),
+                );
             }
         }
         for (k, f, idle) in &d.runs {
             if self.runs.len() >= MAX_RUNS {
                 break;
             }
-            self.runs.insert(
-                Arc::from(k.as_str()),
-                Run {
-                    spent: unnamed(f),
-                    last: now.saturating_sub(*idle),
-                },
-            );
+            let run = Run {
+                spent: unnamed(f),
+                last: now.saturating_sub(*idle),
+            };
+            put(&mut self.runs, &self.hasher, Arc::from(k.as_str()), run);
         }
     }
 }
@@ -641,7 +794,8 @@ mod tests {
         }
         assert_eq!(l.live_runs(), MAX_RUNS);
         // The oldest went first.
-        assert!(!l.runs.contains_key("r0") && l.runs.contains_key("r100009"));
+        let known = |k: &str| find(&l.runs, &l.hasher, k).is_some();
+        assert!(!known("r0") && known("r100009"));
     }
 
     #[test]
@@ -666,8 +820,10 @@ mod tests {
         let mut back = SpendLedger::default();
         back.restore(&d, &only.spend.units, 100 * NS_PER_SEC, 7);
         assert_eq!(back.tenant_spent(7).as_slice(), &[0.5]);
-        assert_eq!(back.runs["r-1"].last, 98 * NS_PER_SEC);
-        assert_eq!(back.subjects["s"].as_slice(), &[0.5]);
+        let run = find(&back.runs, &back.hasher, "r-1").unwrap();
+        assert_eq!(run.last, 98 * NS_PER_SEC);
+        let subject = find(&back.subjects, &back.hasher, "s").unwrap();
+        assert_eq!(subject.as_slice(), &[0.5]);
         // On the next day the day's figures are gone, the run is not.
         let mut later = SpendLedger::default();
         later.restore(&d, &only.spend.units, 100 * NS_PER_SEC, 8);

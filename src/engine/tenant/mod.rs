@@ -421,10 +421,10 @@ impl TenantEngine {
             );
             return self.refuse(r, plan, shed, now);
         }
-        let spend = match r.spend.as_deref() {
-            None => None,
+        let (spend, found) = match r.spend.as_deref() {
+            None => (None, Default::default()),
             Some(sp) => match self.spend_check(&r.subject, sp, day, now) {
-                Ok(views) => Some(views),
+                Ok((views, found)) => (Some(views), found),
                 Err(short) => {
                     self.free_slots(&r.subject, now);
                     let shed = self.spend_shed(&r, &short, wall_ms);
@@ -506,7 +506,7 @@ impl TenantEngine {
         self.next_expiry = self.next_expiry.min(expires);
         if let Some(sp) = r.spend.as_deref() {
             let units = &self.policy.cfg.spend.units;
-            self.spend.reserve(
+            self.spend.reserve_found(
                 lease,
                 &r.subject,
                 sp.run.as_ref(),
@@ -514,6 +514,7 @@ impl TenantEngine {
                 day,
                 now,
                 units,
+                found,
             );
         }
         Decision {
