@@ -138,16 +138,14 @@ impl SpendField<'_> {
     /// Appends the field as JSON, byte for byte what its [`Serialize`] writes (the test
     /// `admitted_body_matches_serde` holds the two together), without serde's generic path: keys
     /// are written as they are (a unit's name is `[a-z][a-z0-9_]*`, checked again here) and numbers
-    /// through `zmij`, the formatter serde_json itself uses. What it bought is in
-    /// docs/BENCHMARKS.md ("Spend budgets").
+    /// through `zmij`, the formatter serde_json itself uses; a name is checked when its entry is
+    /// first written (those [`RESERVED`] keeps were). What it bought is in docs/BENCHMARKS.md
+    /// ("Spend budgets").
     pub(super) fn write_into(&self, out: &mut Vec<u8>) {
         let plain = |n: &str| n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-        if !self.0.iter().all(|v| plain(&v.unit)) {
-            let _ = serde_json::to_writer(out, self);
-            return;
-        }
+        let start = out.len();
         out.push(b'{');
-        RESERVED.with_borrow_mut(|cache| {
+        let written = RESERVED.with_borrow_mut(|cache| {
             for (i, v) in self.0.iter().enumerate() {
                 if i > 0 {
                     out.push(b',');
@@ -162,6 +160,9 @@ impl SpendField<'_> {
                         out.extend_from_slice(bytes)
                     }
                     _ => {
+                        if !plain(&v.unit) {
+                            return false;
+                        }
                         let mut bytes = Vec::with_capacity(v.unit.len() + 40);
                         bytes.push(b'"');
                         bytes.extend_from_slice(v.unit.as_bytes());
@@ -189,7 +190,13 @@ impl SpendField<'_> {
                     None => out.push(b'}'),
                 }
             }
+            true
         });
+        if !written {
+            out.truncate(start);
+            let _ = serde_json::to_writer(out, self);
+            return;
+        }
         out.push(b'}');
     }
 }
@@ -253,6 +260,8 @@ mod tests {
             [view("usd", 0.02), view("tokens", 500.0)],
             [view("tokens", 500.0), view("usd", 0.02)],
             [view("rows", 0.02), view("usd", 0.03)],
+            // A name that needs escaping, after one already written: serde writes it all.
+            [view("usd", 0.03), view("a\"b", 1.0)],
         ];
         for views in &answers {
             let mut out = Vec::new();

@@ -338,7 +338,7 @@ impl SpendLedger {
         now: Nanos,
         units: &[SpendUnit],
     ) {
-        let found = Found::default();
+        let (run, found) = (run.map(|r| &**r), Found::default());
         self.reserve_found(lease, subject, run, estimates, day, now, units, found);
     }
 
@@ -350,7 +350,7 @@ impl SpendLedger {
         &mut self,
         lease: u64,
         subject: &Arc<str>,
-        run: Option<&Arc<str>>,
+        run: Option<&str>,
         estimates: &Figures,
         day: i64,
         now: Nanos,
@@ -375,20 +375,21 @@ impl SpendLedger {
                 );
             }
         }
-        if let Some(run) = run {
+        // The hold shares the ledger's copy of the run's name.
+        let run = run.and_then(|run| {
             let slot = found.run.unwrap_or_else(|| Slot {
-                hash: self.hasher.hash_one(&**run),
+                hash: self.hasher.hash_one(run),
                 index: None,
             });
-            if let Some(r) = self.touch_run(run, slot, now, units) {
-                add_all(&mut r.spent, estimates);
-            }
-        }
+            let (name, r) = self.touch_run(run, slot, now, units)?;
+            add_all(&mut r.spent, estimates);
+            Some(name.clone())
+        });
         self.holds.insert(
             lease,
             Hold {
                 subject: subject.clone(),
-                run: run.cloned(),
+                run,
                 day,
                 reserved: estimates.clone(),
             },
@@ -400,12 +401,12 @@ impl SpendLedger {
     /// (`slot`: where the run is or goes; `None` only if the table lost it, which it does not.)
     fn touch_run(
         &mut self,
-        run: &Arc<str>,
+        run: &str,
         slot: Slot,
         now: Nanos,
         units: &[SpendUnit],
-    ) -> Option<&mut Run> {
-        // The key is cloned only for a new run.
+    ) -> Option<(&Arc<str>, &mut Run)> {
+        // The name is copied only for a new run.
         let index = match at_slot(&self.runs, slot, run) {
             Some(i) => i,
             None => {
@@ -427,20 +428,20 @@ impl SpendLedger {
                 }
                 let hasher = &self.hasher;
                 self.runs
-                    .insert_unique(slot.hash, (run.clone(), Run::default()), |(k, _)| {
+                    .insert_unique(slot.hash, (Arc::from(run), Run::default()), |(k, _)| {
                         hasher.hash_one(&**k)
                     })
                     .bucket_index()
             }
         };
-        let (_, r) = self.runs.get_bucket_mut(index)?;
+        let (name, r) = self.runs.get_bucket_mut(index)?;
         for (i, u) in units.iter().enumerate() {
             if now.saturating_sub(r.last) > u.run_idle.as_nanos() as u64 && i < r.spent.len() {
                 r.spent[i] = 0.0;
             }
         }
         r.last = now;
-        Some(r)
+        Some((&*name, r))
     }
 
     /// Forgets every run idle past the longest `run_idle` of any unit.
