@@ -14,71 +14,18 @@
 //! after its last call, and at most [`MAX_RUNS`] runs are kept per tenant (past it, the run idle
 //! longest is forgotten first).
 
-use std::hash::BuildHasher;
 use std::sync::Arc;
 
-use hashbrown::hash_table::Entry;
-use hashbrown::HashTable;
+use compact_str::CompactString;
 use smallvec::SmallVec;
 
 use crate::clock::Nanos;
 use crate::config::{SpendBudgets, SpendUnit};
 
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-
-/// Figures by name (a subject's, a run's), in a table that lets [`SpendLedger::check`] hand
-/// [`SpendLedger::reserve`] where it found them.
-type Named<V> = HashTable<(Arc<str>, V)>;
-
-/// Where a name is or would go in a [`Named`] table: its hash, and the bucket it was found in.
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    hash: u64,
-    index: Option<usize>,
-}
-
-/// Where [`SpendLedger::check`] found a call's subject and run (when it looked them up), so that
-/// [`SpendLedger::reserve`] finds them without a second lookup each. What it bought is in
-/// docs/BENCHMARKS.md ("Spend budgets").
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Found {
-    subject: Option<Slot>,
-    run: Option<Slot>,
-}
-
-/// The entry of `key` in `table`: at `slot`'s bucket when that still holds it, else looked up by
-/// `slot`'s hash (which must be `key`'s).
-fn at_slot<V>(table: &Named<V>, slot: Slot, key: &str) -> Option<usize> {
-    slot.index
-        .filter(|&i| table.get_bucket(i).is_some_and(|(k, _)| **k == *key))
-        .or_else(|| table.find_bucket_index(slot.hash, |(k, _)| **k == *key))
-}
-
-#[cfg(test)]
-fn find<'a, V>(table: &'a Named<V>, hasher: &Hasher, key: &str) -> Option<&'a V> {
-    table
-        .find(hasher.hash_one(key), |(k, _)| **k == *key)
-        .map(|(_, v)| v)
-}
-
-fn find_mut<'a, V>(table: &'a mut Named<V>, hasher: &Hasher, key: &str) -> Option<&'a mut V> {
-    table
-        .find_mut(hasher.hash_one(key), |(k, _)| **k == *key)
-        .map(|(_, v)| v)
-}
-
-/// Sets `key`'s figures (replacing any it had).
-fn put<V>(table: &mut Named<V>, hasher: &Hasher, key: Arc<str>, v: V) {
-    let hash = hasher.hash_one(&*key);
-    match table.entry(hash, |(k, _)| *k == key, |(k, _)| hasher.hash_one(&**k)) {
-        Entry::Occupied(mut e) => e.get_mut().1 = v,
-        Entry::Vacant(e) => {
-            e.insert((key, v));
-        }
-    }
-}
-
-type Hasher = foldhash::fast::RandomState;
+/// hashbrown's, for `entry_ref`: a run is found by the call's `&str`, and its name copied only when
+/// it is new.
+type RunMap = hashbrown::HashMap<Arc<str>, Run, foldhash::fast::RandomState>;
 
 /// One figure per unit, by the unit's index in the config (two inline: most configs have one or two).
 pub type Figures = SmallVec<[f64; 2]>;
@@ -151,7 +98,8 @@ struct Run {
 #[derive(Debug, Clone)]
 pub struct Hold {
     subject: Arc<str>,
-    run: Option<Arc<str>>,
+    /// Inline up to 24 bytes (the usual run id): no allocation per call.
+    run: Option<CompactString>,
     day: i64,
     reserved: Figures,
 }
@@ -187,12 +135,11 @@ pub struct SpendLedger {
     /// The UTC day the daily figures are for.
     day: i64,
     tenant: Figures,
-    subjects: Named<Figures>,
-    runs: Named<Run>,
+    subjects: HashMap<Arc<str>, Figures>,
+    runs: RunMap,
     holds: HashMap<u64, Hold>,
     /// Settled spend per unit not yet reported to metrics.
     settled: Figures,
-    hasher: Hasher,
 }
 
 impl SpendLedger {
@@ -243,8 +190,8 @@ impl SpendLedger {
         out
     }
 
-    /// [`SpendLedger::check_found`] without what it found.
-    #[cfg(test)]
+    /// Whether the estimates fit every budget that applies; nothing changes either way. `Ok` holds
+    /// what the admitted answer reports per unit (after the reservation).
     pub fn check(
         &mut self,
         b: Budgets<'_>,
@@ -254,47 +201,16 @@ impl SpendLedger {
         day: i64,
         now: Nanos,
     ) -> Result<SpendViews, SpendShort> {
-        self.check_found(b, subject, run, estimates, day, now)
-            .map(|(views, _)| views)
-    }
-
-    /// Whether the estimates fit every budget that applies; nothing changes either way. `Ok` holds
-    /// what the admitted answer reports per unit (after the reservation), and where the subject
-    /// and run were found, for [`SpendLedger::reserve_found`].
-    pub fn check_found(
-        &mut self,
-        b: Budgets<'_>,
-        subject: &str,
-        run: Option<&str>,
-        estimates: &[f64],
-        day: i64,
-        now: Nanos,
-    ) -> Result<(SpendViews, Found), SpendShort> {
         self.roll(day);
-        let mut found = Found::default();
-        // Each table is looked up once, and only when some unit has a budget that reads it.
+        // Each map is looked up once, and only when some unit has a budget that reads it.
         let run = run
             .filter(|_| b.budgets.iter().any(|x| x.run.is_some()))
-            .map(|r| {
-                let hash = self.hasher.hash_one(r);
-                let index = self.runs.find_bucket_index(hash, |(k, _)| **k == *r);
-                found.run = Some(Slot { hash, index });
-                index.and_then(|i| self.runs.get_bucket(i)).map(|(_, x)| x)
-            });
+            .map(|r| self.runs.get(r));
         let subject = b
             .budgets
             .iter()
             .any(|x| x.subject_daily.is_some())
-            .then(|| {
-                let hash = self.hasher.hash_one(subject);
-                let index = self
-                    .subjects
-                    .find_bucket_index(hash, |(k, _)| **k == *subject);
-                found.subject = Some(Slot { hash, index });
-                index
-                    .and_then(|i| self.subjects.get_bucket(i))
-                    .map(|(_, x)| x)
-            })
+            .then(|| self.subjects.get(subject))
             .flatten();
         let mut views = SmallVec::new();
         for (i, unit) in b.names.iter().enumerate() {
@@ -322,31 +238,13 @@ impl SpendLedger {
                 remaining: least,
             });
         }
-        Ok((views, found))
+        Ok(views)
     }
 
-    /// [`SpendLedger::reserve_found`] with nothing found before.
-    #[cfg(test)]
-    #[allow(clippy::too_many_arguments)]
-    pub fn reserve(
-        &mut self,
-        lease: u64,
-        subject: &Arc<str>,
-        run: Option<&Arc<str>>,
-        estimates: &Figures,
-        day: i64,
-        now: Nanos,
-        units: &[SpendUnit],
-    ) {
-        let (run, found) = (run.map(|r| &**r), Found::default());
-        self.reserve_found(lease, subject, run, estimates, day, now, units, found);
-    }
-
-    /// Reserves a call's estimates for lease `lease` in its day, subject and run, after a
-    /// successful [`SpendLedger::check_found`] of the same subject and run which found them at
-    /// `found` (the ledger unchanged since).
+    /// Reserves a call's estimates for lease `lease` in its day, subject and run (after a
+    /// successful [`SpendLedger::check`] on the same state). One lookup per map.
     #[allow(clippy::too_many_arguments)] // each is one fact of the call; a struct would only rename them
-    pub fn reserve_found(
+    pub fn reserve(
         &mut self,
         lease: u64,
         subject: &Arc<str>,
@@ -355,41 +253,25 @@ impl SpendLedger {
         day: i64,
         now: Nanos,
         units: &[SpendUnit],
-        found: Found,
     ) {
         self.roll(day);
         add_all(&mut self.tenant, estimates);
-        let slot = found.subject.unwrap_or_else(|| Slot {
-            hash: self.hasher.hash_one(&**subject),
-            index: None,
-        });
-        // The key is cloned only for a subject new today.
-        match at_slot(&self.subjects, slot, subject).and_then(|i| self.subjects.get_bucket_mut(i)) {
-            Some((_, s)) => add_all(s, estimates),
+        // Found by the name alone: the key is cloned only for a subject new today.
+        match self.subjects.get_mut(&**subject) {
+            Some(s) => add_all(s, estimates),
             None => {
-                let hasher = &self.hasher;
-                self.subjects.insert_unique(
-                    slot.hash,
-                    (subject.clone(), estimates.clone()),
-                    |(k, _)| hasher.hash_one(&**k),
-                );
+                self.subjects.insert(subject.clone(), estimates.clone());
             }
         }
-        // The hold shares the ledger's copy of the run's name.
-        let run = run.and_then(|run| {
-            let slot = found.run.unwrap_or_else(|| Slot {
-                hash: self.hasher.hash_one(run),
-                index: None,
-            });
-            let (name, r) = self.touch_run(run, slot, now, units)?;
+        if let Some(run) = run {
+            let r = self.touch_run(run, now, units);
             add_all(&mut r.spent, estimates);
-            Some(name.clone())
-        });
+        }
         self.holds.insert(
             lease,
             Hold {
                 subject: subject.clone(),
-                run,
+                run: run.map(CompactString::from),
                 day,
                 reserved: estimates.clone(),
             },
@@ -398,50 +280,29 @@ impl SpendLedger {
 
     /// Marks a run used now, forgetting first what it spent in each unit whose `run_idle` has
     /// passed since its last call; a new run is added within [`MAX_RUNS`].
-    /// (`slot`: where the run is or goes; `None` only if the table lost it, which it does not.)
-    fn touch_run(
-        &mut self,
-        run: &str,
-        slot: Slot,
-        now: Nanos,
-        units: &[SpendUnit],
-    ) -> Option<(&Arc<str>, &mut Run)> {
-        // The name is copied only for a new run.
-        let index = match at_slot(&self.runs, slot, run) {
-            Some(i) => i,
-            None => {
-                if self.runs.len() >= MAX_RUNS {
-                    self.forget_idle_runs(now, units);
-                    if self.runs.len() >= MAX_RUNS {
-                        let oldest = self
-                            .runs
-                            .iter()
-                            .min_by_key(|(_, r)| r.last)
-                            .map(|(k, _)| k.clone());
-                        if let Some(k) = oldest {
-                            let hash = self.hasher.hash_one(&*k);
-                            if let Ok(e) = self.runs.find_entry(hash, |(x, _)| *x == k) {
-                                e.remove();
-                            }
-                        }
-                    }
+    fn touch_run(&mut self, run: &str, now: Nanos, units: &[SpendUnit]) -> &mut Run {
+        if self.runs.len() >= MAX_RUNS && !self.runs.contains_key(run) {
+            self.forget_idle_runs(now, units);
+            if self.runs.len() >= MAX_RUNS {
+                let oldest = self
+                    .runs
+                    .iter()
+                    .min_by_key(|(_, r)| r.last)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    self.runs.remove(&k);
                 }
-                let hasher = &self.hasher;
-                self.runs
-                    .insert_unique(slot.hash, (Arc::from(run), Run::default()), |(k, _)| {
-                        hasher.hash_one(&**k)
-                    })
-                    .bucket_index()
             }
-        };
-        let (name, r) = self.runs.get_bucket_mut(index)?;
+        }
+        // The name is copied only for a new run.
+        let r = self.runs.entry_ref(run).or_default();
         for (i, u) in units.iter().enumerate() {
             if now.saturating_sub(r.last) > u.run_idle.as_nanos() as u64 && i < r.spent.len() {
                 r.spent[i] = 0.0;
             }
         }
         r.last = now;
-        Some((&*name, r))
+        r
     }
 
     /// Forgets every run idle past the longest `run_idle` of any unit.
@@ -451,8 +312,7 @@ impl SpendLedger {
             .map(|u| u.run_idle.as_nanos() as u64)
             .max()
             .unwrap_or(0);
-        self.runs
-            .retain(|(_, r)| now.saturating_sub(r.last) <= idle);
+        self.runs.retain(|_, r| now.saturating_sub(r.last) <= idle);
     }
 
     /// Settles lease `lease`: what it actually spent per unit (`actual`, by unit index; a unit it does
@@ -504,19 +364,14 @@ impl SpendLedger {
         }
         if h.day == self.day {
             add_all(&mut self.tenant, &diff);
-            if let Some(s) = find_mut(&mut self.subjects, &self.hasher, &h.subject) {
+            if let Some(s) = self.subjects.get_mut(&*h.subject) {
                 add_all(s, &diff);
             } else {
-                put(
-                    &mut self.subjects,
-                    &self.hasher,
-                    h.subject.clone(),
-                    diff.clone(),
-                );
+                self.subjects.insert(h.subject.clone(), diff.clone());
             }
         }
         if let Some(run) = &h.run {
-            if let Some(r) = find_mut(&mut self.runs, &self.hasher, run) {
+            if let Some(r) = self.runs.get_mut(run.as_str()) {
                 for (i, &d) in diff.iter().enumerate() {
                     let idle = units.get(i).map_or(0, |u| u.run_idle.as_nanos() as u64);
                     if now.saturating_sub(r.last) <= idle {
@@ -610,23 +465,20 @@ impl SpendLedger {
             self.day = d.day;
             self.tenant = unnamed(&d.tenant);
             for (s, f) in &d.subjects {
-                put(
-                    &mut self.subjects,
-                    &self.hasher,
-                    Arc::from(s.as_str()),
-                    unnamed(f),
-                );
+                self.subjects.insert(Arc::from(s.as_str()), unnamed(f));
             }
         }
         for (k, f, idle) in &d.runs {
             if self.runs.len() >= MAX_RUNS {
                 break;
             }
-            let run = Run {
-                spent: unnamed(f),
-                last: now.saturating_sub(*idle),
-            };
-            put(&mut self.runs, &self.hasher, Arc::from(k.as_str()), run);
+            self.runs.insert(
+                Arc::from(k.as_str()),
+                Run {
+                    spent: unnamed(f),
+                    last: now.saturating_sub(*idle),
+                },
+            );
         }
     }
 }
@@ -698,8 +550,8 @@ mod tests {
             .collect()
     }
 
-    fn run() -> Arc<str> {
-        Arc::from("r-1")
+    fn run() -> &'static str {
+        "r-1"
     }
 
     #[test]
@@ -711,7 +563,7 @@ mod tests {
         for lease in 0..20 {
             let v = l.check(b, &s, Some("r-1"), &est(0.05), 1, 0).unwrap();
             assert_eq!(v[1].reserved, 0.05);
-            l.reserve(lease, &s, Some(&run()), &est(0.05), 1, 0, b.units);
+            l.reserve(lease, &s, Some(run()), &est(0.05), 1, 0, b.units);
         }
         let short = l.check(b, &s, Some("r-1"), &est(0.05), 1, 0).unwrap_err();
         assert_eq!(short.budget, SpendBudget::Run);
@@ -729,13 +581,13 @@ mod tests {
         budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
-        l.reserve(1, &s, Some(&run()), &est(0.5), 1, 0, b.units);
+        l.reserve(1, &s, Some(run()), &est(0.5), 1, 0, b.units);
         // Cheaper than estimated: 0.4 comes back.
         assert!(l.settle(1, &[(1, 0.1)], false, 1, 0, b.units));
         assert!((get(&l.tenant, 1) - 0.1).abs() < 1e-9);
         assert!(!l.settle(1, &[], false, 1, 0, b.units), "settled once");
         // Dearer: the run goes into debt and refuses even a free call.
-        l.reserve(2, &s, Some(&run()), &est(0.5), 1, 0, b.units);
+        l.reserve(2, &s, Some(run()), &est(0.5), 1, 0, b.units);
         l.settle(2, &[(1, 1.5)], false, 1, 0, b.units);
         let short = l.check(b, &s, Some("r-1"), &est(0.0), 1, 0).unwrap_err();
         assert_eq!(short.budget, SpendBudget::Run);
@@ -776,7 +628,7 @@ mod tests {
         budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
-        l.reserve(1, &s, Some(&run()), &est(1.0), 1, 0, b.units);
+        l.reserve(1, &s, Some(run()), &est(1.0), 1, 0, b.units);
         l.settle(1, &[], false, 1, 0, b.units);
         assert!(l
             .check(b, &s, Some("r-1"), &est(0.05), 1, 60 * NS_PER_SEC)
@@ -791,12 +643,11 @@ mod tests {
         assert_eq!(l.live_runs(), 0);
         for i in 0..(MAX_RUNS + 10) {
             let r: Arc<str> = Arc::from(format!("r{i}"));
-            l.reserve(i as u64, &s, Some(&r), &est(0.0), 1, i as u64, b.units);
+            l.reserve(i as u64, &s, Some(&*r), &est(0.0), 1, i as u64, b.units);
         }
         assert_eq!(l.live_runs(), MAX_RUNS);
         // The oldest went first.
-        let known = |k: &str| find(&l.runs, &l.hasher, k).is_some();
-        assert!(!known("r0") && known("r100009"));
+        assert!(!l.runs.contains_key("r0") && l.runs.contains_key("r100009"));
     }
 
     #[test]
@@ -807,7 +658,7 @@ mod tests {
         l.reserve(
             1,
             &s,
-            Some(&run()),
+            Some(run()),
             &est(0.5),
             7,
             10 * NS_PER_SEC,
@@ -821,10 +672,8 @@ mod tests {
         let mut back = SpendLedger::default();
         back.restore(&d, &only.spend.units, 100 * NS_PER_SEC, 7);
         assert_eq!(back.tenant_spent(7).as_slice(), &[0.5]);
-        let run = find(&back.runs, &back.hasher, "r-1").unwrap();
-        assert_eq!(run.last, 98 * NS_PER_SEC);
-        let subject = find(&back.subjects, &back.hasher, "s").unwrap();
-        assert_eq!(subject.as_slice(), &[0.5]);
+        assert_eq!(back.runs["r-1"].last, 98 * NS_PER_SEC);
+        assert_eq!(back.subjects["s"].as_slice(), &[0.5]);
         // On the next day the day's figures are gone, the run is not.
         let mut later = SpendLedger::default();
         later.restore(&d, &only.spend.units, 100 * NS_PER_SEC, 8);

@@ -421,10 +421,10 @@ impl TenantEngine {
             );
             return self.refuse(r, plan, shed, now);
         }
-        let (spend, found) = match r.spend.as_deref() {
-            None => (None, Default::default()),
+        let spend = match r.spend.as_deref() {
+            None => None,
             Some(sp) => match self.spend_check(&r.subject, sp, day, now) {
-                Ok((views, found)) => (Some(views), found),
+                Ok(views) => Some(views),
                 Err(short) => {
                     self.free_slots(&r.subject, now);
                     let shed = self.spend_shed(&r, &short, wall_ms);
@@ -506,7 +506,7 @@ impl TenantEngine {
         self.next_expiry = self.next_expiry.min(expires);
         if let Some(sp) = r.spend.as_deref() {
             let units = &self.policy.cfg.spend.units;
-            self.spend.reserve_found(
+            self.spend.reserve(
                 lease,
                 &r.subject,
                 sp.run.as_deref(),
@@ -514,7 +514,6 @@ impl TenantEngine {
                 day,
                 now,
                 units,
-                found,
             );
         }
         Decision {

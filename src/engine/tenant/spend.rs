@@ -4,7 +4,7 @@
 //! buckets and the daily quota the same way (a cache hit can cost nothing).
 
 use super::*;
-use crate::engine::spend::{Budgets, Found, SpendBudget, SpendShort};
+use crate::engine::spend::{Budgets, SpendBudget, SpendShort};
 
 impl TenantEngine {
     fn spend_budgets(&self) -> Budgets<'_> {
@@ -16,22 +16,21 @@ impl TenantEngine {
     }
 
     /// Whether a call's estimates fit every spend budget that applies, and if so what the answer
-    /// reports per unit and where the ledger found the call's subject and run. Nothing is
-    /// reserved: the reservation is made once every layer has passed.
+    /// reports per unit. Nothing is reserved: the reservation is made once every layer has passed.
     pub(super) fn spend_check(
         &mut self,
         subject: &str,
         sp: &ResolvedSpend,
         day: i64,
         now: Nanos,
-    ) -> Result<(crate::engine::spend::SpendViews, Found), SpendShort> {
+    ) -> Result<crate::engine::spend::SpendViews, SpendShort> {
         let b = Budgets {
             units: &self.policy.cfg.spend.units,
             budgets: &self.policy.spend,
             names: &self.policy.spend_names,
         };
         self.spend
-            .check_found(b, subject, sp.run.as_deref(), &sp.estimates, day, now)
+            .check(b, subject, sp.run.as_deref(), &sp.estimates, day, now)
     }
 
     /// The refusal of a spend budget: a run's never refills (not retryable, no wait); a daily one
