@@ -202,11 +202,13 @@ impl SpendField<'_> {
 }
 
 thread_local! {
-    /// Per unit (by position), the start of its entry in the last answer written on this thread:
-    /// the unit, the estimate's bits, and the bytes up to and with the estimate. What it bought is
-    /// in docs/BENCHMARKS.md ("Spend budgets").
-    static RESERVED: RefCell<Vec<(Arc<str>, u64, Vec<u8>)>> = const { RefCell::new(Vec::new()) };
+    /// Per unit (by position), the start of its entry in the last answer written on this thread.
+    /// What it bought is in docs/BENCHMARKS.md ("Spend budgets").
+    static RESERVED: RefCell<Vec<Reserved>> = const { RefCell::new(Vec::new()) };
 }
+
+/// A unit, the bits of its estimate, and its entry's bytes up to and with the estimate.
+type Reserved = (Arc<str>, u64, Vec<u8>);
 
 /// Appends a figure as serde_json writes it.
 fn number(out: &mut Vec<u8>, x: f64) {
