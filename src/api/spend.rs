@@ -6,6 +6,7 @@
 //! one small function, and so that a release's spend is checked in full before its lease is
 //! touched: a bad figure is a 400 that changes nothing, and the lease can still be released.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -14,7 +15,7 @@ use serde::{Serialize, Serializer};
 
 use super::{name_field, ApiError};
 use crate::config::Config;
-use crate::engine::spend::SpendView;
+use crate::engine::spend::{SpendBudget, SpendView};
 use crate::engine::{CallSpend, Settlement};
 
 /// The largest figure a call may report (as every figure in the config).
@@ -99,7 +100,21 @@ pub(super) fn settlement(
 
 /// A figure without the float noise of sums (0.9299999999999999 is 0.93).
 pub(super) fn clean(x: f64) -> f64 {
-    let r = (x * 1e9).round() / 1e9;
+    let y = x * 1e9;
+    // `f64::round` is a libm call. Below 2^52 the same figure is the integer part, one further
+    // from zero from .5 on (both exact); from 2^52 on every figure is whole. Only a zero's sign
+    // can differ, and it is dropped below.
+    let r = if y.abs() < 4_503_599_627_370_496.0 {
+        let t = (y as i64) as f64;
+        if (y - t).abs() >= 0.5 {
+            t + 1f64.copysign(y)
+        } else {
+            t
+        }
+    } else {
+        y
+    };
+    let r = r / 1e9;
     if r == 0.0 {
         0.0
     } else {
@@ -123,47 +138,90 @@ impl SpendField<'_> {
     /// Appends the field as JSON, byte for byte what its [`Serialize`] writes (the test
     /// `admitted_body_matches_serde` holds the two together), without serde's generic path: keys
     /// are written as they are (a unit's name is `[a-z][a-z0-9_]*`, checked again here) and numbers
-    /// through `zmij`, the formatter serde_json itself uses. What it bought is in
-    /// docs/BENCHMARKS.md ("Spend budgets").
+    /// through `zmij`, the formatter serde_json itself uses; a name is checked when its entry is
+    /// first written (those [`RESERVED`] keeps were). What it bought is in docs/BENCHMARKS.md
+    /// ("Spend budgets").
     pub(super) fn write_into(&self, out: &mut Vec<u8>) {
         let plain = |n: &str| n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-        if !self.0.iter().all(|v| plain(&v.unit)) {
+        let start = out.len();
+        out.push(b'{');
+        let written = RESERVED.with_borrow_mut(|cache| {
+            for (i, v) in self.0.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                // A unit's `"NAME":{"reserved":FIGURE` is written once and then copied while
+                // the estimate stays the same, which is the usual case: a tool's estimate.
+                let bits = v.reserved.to_bits();
+                match cache.get(i) {
+                    Some((unit, b, bytes))
+                        if *b == bits && (Arc::ptr_eq(unit, &v.unit) || **unit == *v.unit) =>
+                    {
+                        out.extend_from_slice(bytes)
+                    }
+                    _ => {
+                        if !plain(&v.unit) {
+                            return false;
+                        }
+                        let mut bytes = Vec::with_capacity(v.unit.len() + 40);
+                        bytes.push(b'"');
+                        bytes.extend_from_slice(v.unit.as_bytes());
+                        bytes.extend_from_slice(b"\":{\"reserved\":");
+                        number(&mut bytes, clean(v.reserved));
+                        out.extend_from_slice(&bytes);
+                        let entry = (v.unit.clone(), bits, bytes);
+                        if i < cache.len() {
+                            cache[i] = entry;
+                        } else if i == cache.len() {
+                            cache.push(entry);
+                        }
+                    }
+                }
+                match v.remaining {
+                    Some((left, budget)) => {
+                        out.extend_from_slice(b",\"remaining\":");
+                        number(out, clean(left));
+                        out.extend_from_slice(match budget {
+                            SpendBudget::Run => b",\"budget\":\"run\"}",
+                            SpendBudget::SubjectDaily => b",\"budget\":\"subject_daily\"}",
+                            SpendBudget::TenantDaily => b",\"budget\":\"tenant_daily\"}",
+                        });
+                    }
+                    None => out.push(b'}'),
+                }
+            }
+            true
+        });
+        if !written {
+            out.truncate(start);
             let _ = serde_json::to_writer(out, self);
             return;
         }
-        let (mut float, mut whole) = (zmij::Buffer::new(), itoa::Buffer::new());
-        let mut number = |out: &mut Vec<u8>, x: f64| {
-            // Whole when converting to an integer and back changes nothing (`fract` is a libm call).
-            if x.abs() < 1e15 && (x as i64) as f64 == x && !(x == 0.0 && x.is_sign_negative()) {
-                // A whole figure (tokens, rows; budgets) as serde_json writes it (`500.0`), by
-                // integer formatting, which is cheaper than the shortest-float search.
-                out.extend_from_slice(whole.format(x as i64).as_bytes());
-                out.extend_from_slice(b".0");
-            } else if x.is_finite() {
-                out.extend_from_slice(float.format_finite(x).as_bytes());
-            } else {
-                out.extend_from_slice(b"null");
-            }
-        };
-        out.push(b'{');
-        for (i, v) in self.0.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            out.push(b'"');
-            out.extend_from_slice(v.unit.as_bytes());
-            out.extend_from_slice(b"\":{\"reserved\":");
-            number(out, clean(v.reserved));
-            if let Some((left, budget)) = v.remaining {
-                out.extend_from_slice(b",\"remaining\":");
-                number(out, clean(left));
-                out.extend_from_slice(b",\"budget\":\"");
-                out.extend_from_slice(budget.as_str().as_bytes());
-                out.push(b'"');
-            }
-            out.push(b'}');
-        }
         out.push(b'}');
+    }
+}
+
+thread_local! {
+    /// Per unit (by position), the start of its entry in the last answer written on this thread.
+    /// What it bought is in docs/BENCHMARKS.md ("Spend budgets").
+    static RESERVED: RefCell<Vec<Reserved>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A unit, the bits of its estimate, and its entry's bytes up to and with the estimate.
+type Reserved = (Arc<str>, u64, Vec<u8>);
+
+/// Appends a figure as serde_json writes it.
+fn number(out: &mut Vec<u8>, x: f64) {
+    // Whole when converting to an integer and back changes nothing (`fract` is a libm call).
+    if x.abs() < 1e15 && (x as i64) as f64 == x && !(x == 0.0 && x.is_sign_negative()) {
+        // A whole figure (tokens, rows; budgets) as serde_json writes it (`500.0`), by
+        // integer formatting, which is cheaper than the shortest-float search.
+        out.extend_from_slice(itoa::Buffer::new().format(x as i64).as_bytes());
+        out.extend_from_slice(b".0");
+    } else if x.is_finite() {
+        out.extend_from_slice(zmij::Buffer::new().format_finite(x).as_bytes());
+    } else {
+        out.extend_from_slice(b"null");
     }
 }
 
@@ -188,6 +246,62 @@ impl Serialize for SpendField<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The start of a unit's entry is copied from the last answer only while unit and estimate
+    /// are the same.
+    #[test]
+    fn an_entry_is_written_anew_when_its_unit_or_estimate_changes() {
+        let view = |unit: &str, reserved| SpendView {
+            unit: unit.into(),
+            reserved,
+            remaining: Some((1.5, SpendBudget::TenantDaily)),
+        };
+        let answers = [
+            [view("usd", 0.01), view("tokens", 500.0)],
+            [view("usd", 0.01), view("tokens", 500.0)],
+            [view("usd", 0.02), view("tokens", 500.0)],
+            [view("tokens", 500.0), view("usd", 0.02)],
+            [view("rows", 0.02), view("usd", 0.03)],
+            // A name that needs escaping, after one already written: serde writes it all.
+            [view("usd", 0.03), view("a\"b", 1.0)],
+        ];
+        for views in &answers {
+            let mut out = Vec::new();
+            SpendField(views).write_into(&mut out);
+            let serde = serde_json::to_vec(&SpendField(views)).unwrap();
+            assert_eq!(String::from_utf8(out), String::from_utf8(serde));
+        }
+    }
+
+    #[test]
+    fn clean_is_rounding_to_nine_places() {
+        let slow = |x: f64| {
+            let r = (x * 1e9).round() / 1e9;
+            if r == 0.0 {
+                0.0
+            } else {
+                r
+            }
+        };
+        let mut xs = vec![
+            0.0, -0.0, 0.5e-9, -0.5e-9, 1.5e-9, -2.5e-9, 0.93, 1e15, -1e15, 4.5e6,
+        ];
+        xs.extend([
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            4_503_599.627_370_496,
+            9e6 + 0.25,
+        ]);
+        let mut x = 0.000_123_456_789_f64;
+        while x < 1e16 {
+            xs.extend([x, -x, x + 0.5e-9, 1.0 - x.fract()]);
+            x *= 1.37;
+        }
+        for x in xs {
+            assert_eq!(clean(x).to_bits(), slow(x).to_bits(), "{x}");
+        }
+        assert!(clean(f64::NAN).is_nan());
+    }
 
     fn cfg() -> Config {
         Config::parse("c.toml", "[spend.usd]\nestimate = 0.01\nrun = 1\n").unwrap()

@@ -16,12 +16,16 @@
 
 use std::sync::Arc;
 
+use compact_str::CompactString;
 use smallvec::SmallVec;
 
 use crate::clock::Nanos;
 use crate::config::{SpendBudgets, SpendUnit};
 
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+/// hashbrown's, for `entry_ref`: a run is found by the call's `&str`, and its name copied only when
+/// it is new.
+type RunMap = hashbrown::HashMap<Arc<str>, Run, foldhash::fast::RandomState>;
 
 /// One figure per unit, by the unit's index in the config (two inline: most configs have one or two).
 pub type Figures = SmallVec<[f64; 2]>;
@@ -94,7 +98,8 @@ struct Run {
 #[derive(Debug, Clone)]
 pub struct Hold {
     subject: Arc<str>,
-    run: Option<Arc<str>>,
+    /// Inline up to 24 bytes (the usual run id): no allocation per call.
+    run: Option<CompactString>,
     day: i64,
     reserved: Figures,
 }
@@ -131,7 +136,7 @@ pub struct SpendLedger {
     day: i64,
     tenant: Figures,
     subjects: HashMap<Arc<str>, Figures>,
-    runs: HashMap<Arc<str>, Run>,
+    runs: RunMap,
     holds: HashMap<u64, Hold>,
     /// Settled spend per unit not yet reported to metrics.
     settled: Figures,
@@ -243,7 +248,7 @@ impl SpendLedger {
         &mut self,
         lease: u64,
         subject: &Arc<str>,
-        run: Option<&Arc<str>>,
+        run: Option<&str>,
         estimates: &Figures,
         day: i64,
         now: Nanos,
@@ -266,7 +271,7 @@ impl SpendLedger {
             lease,
             Hold {
                 subject: subject.clone(),
-                run: run.cloned(),
+                run: run.map(CompactString::from),
                 day,
                 reserved: estimates.clone(),
             },
@@ -275,7 +280,7 @@ impl SpendLedger {
 
     /// Marks a run used now, forgetting first what it spent in each unit whose `run_idle` has
     /// passed since its last call; a new run is added within [`MAX_RUNS`].
-    fn touch_run(&mut self, run: &Arc<str>, now: Nanos, units: &[SpendUnit]) -> &mut Run {
+    fn touch_run(&mut self, run: &str, now: Nanos, units: &[SpendUnit]) -> &mut Run {
         if self.runs.len() >= MAX_RUNS && !self.runs.contains_key(run) {
             self.forget_idle_runs(now, units);
             if self.runs.len() >= MAX_RUNS {
@@ -289,7 +294,8 @@ impl SpendLedger {
                 }
             }
         }
-        let r = self.runs.entry(run.clone()).or_default();
+        // The name is copied only for a new run.
+        let r = self.runs.entry_ref(run).or_default();
         for (i, u) in units.iter().enumerate() {
             if now.saturating_sub(r.last) > u.run_idle.as_nanos() as u64 && i < r.spent.len() {
                 r.spent[i] = 0.0;
@@ -365,7 +371,7 @@ impl SpendLedger {
             }
         }
         if let Some(run) = &h.run {
-            if let Some(r) = self.runs.get_mut(run) {
+            if let Some(r) = self.runs.get_mut(run.as_str()) {
                 for (i, &d) in diff.iter().enumerate() {
                     let idle = units.get(i).map_or(0, |u| u.run_idle.as_nanos() as u64);
                     if now.saturating_sub(r.last) <= idle {
@@ -544,8 +550,8 @@ mod tests {
             .collect()
     }
 
-    fn run() -> Arc<str> {
-        Arc::from("r-1")
+    fn run() -> &'static str {
+        "r-1"
     }
 
     #[test]
@@ -557,7 +563,7 @@ mod tests {
         for lease in 0..20 {
             let v = l.check(b, &s, Some("r-1"), &est(0.05), 1, 0).unwrap();
             assert_eq!(v[1].reserved, 0.05);
-            l.reserve(lease, &s, Some(&run()), &est(0.05), 1, 0, b.units);
+            l.reserve(lease, &s, Some(run()), &est(0.05), 1, 0, b.units);
         }
         let short = l.check(b, &s, Some("r-1"), &est(0.05), 1, 0).unwrap_err();
         assert_eq!(short.budget, SpendBudget::Run);
@@ -575,13 +581,13 @@ mod tests {
         budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
-        l.reserve(1, &s, Some(&run()), &est(0.5), 1, 0, b.units);
+        l.reserve(1, &s, Some(run()), &est(0.5), 1, 0, b.units);
         // Cheaper than estimated: 0.4 comes back.
         assert!(l.settle(1, &[(1, 0.1)], false, 1, 0, b.units));
         assert!((get(&l.tenant, 1) - 0.1).abs() < 1e-9);
         assert!(!l.settle(1, &[], false, 1, 0, b.units), "settled once");
         // Dearer: the run goes into debt and refuses even a free call.
-        l.reserve(2, &s, Some(&run()), &est(0.5), 1, 0, b.units);
+        l.reserve(2, &s, Some(run()), &est(0.5), 1, 0, b.units);
         l.settle(2, &[(1, 1.5)], false, 1, 0, b.units);
         let short = l.check(b, &s, Some("r-1"), &est(0.0), 1, 0).unwrap_err();
         assert_eq!(short.budget, SpendBudget::Run);
@@ -622,7 +628,7 @@ mod tests {
         budgets!(b);
         let s: Arc<str> = Arc::from("s");
         let mut l = SpendLedger::default();
-        l.reserve(1, &s, Some(&run()), &est(1.0), 1, 0, b.units);
+        l.reserve(1, &s, Some(run()), &est(1.0), 1, 0, b.units);
         l.settle(1, &[], false, 1, 0, b.units);
         assert!(l
             .check(b, &s, Some("r-1"), &est(0.05), 1, 60 * NS_PER_SEC)
@@ -637,7 +643,7 @@ mod tests {
         assert_eq!(l.live_runs(), 0);
         for i in 0..(MAX_RUNS + 10) {
             let r: Arc<str> = Arc::from(format!("r{i}"));
-            l.reserve(i as u64, &s, Some(&r), &est(0.0), 1, i as u64, b.units);
+            l.reserve(i as u64, &s, Some(&*r), &est(0.0), 1, i as u64, b.units);
         }
         assert_eq!(l.live_runs(), MAX_RUNS);
         // The oldest went first.
@@ -652,7 +658,7 @@ mod tests {
         l.reserve(
             1,
             &s,
-            Some(&run()),
+            Some(run()),
             &est(0.5),
             7,
             10 * NS_PER_SEC,

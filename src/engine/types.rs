@@ -121,7 +121,9 @@ pub struct Resolved {
 /// unit's), one per configured unit.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResolvedSpend {
-    pub run: Option<Arc<str>>,
+    /// Kept inline when short (the usual run id): no allocation per call. The ledger keeps its
+    /// own shared copy of each run it knows.
+    pub run: Option<compact_str::CompactString>,
     pub estimates: super::spend::Figures,
 }
 

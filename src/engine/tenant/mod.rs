@@ -509,7 +509,7 @@ impl TenantEngine {
             self.spend.reserve(
                 lease,
                 &r.subject,
-                sp.run.as_ref(),
+                sp.run.as_deref(),
                 &sp.estimates,
                 day,
                 now,

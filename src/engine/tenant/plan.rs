@@ -160,7 +160,7 @@ fn resolve_spend(cfg: &Config, req: &AdmitRequest) -> Box<ResolvedSpend> {
                 .unwrap_or(u.estimate)
         })
         .collect();
-    let run = own.and_then(|o| o.run.as_deref()).map(Arc::from);
+    let run = own.and_then(|o| o.run.clone());
     Box::new(ResolvedSpend { run, estimates })
 }
 

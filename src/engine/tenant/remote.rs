@@ -437,7 +437,7 @@ impl TenantEngine {
                 let mut budgets = Vec::new();
                 if let (Some(size), Some(run)) = (b.run, &sp.run) {
                     budgets.push(RemoteBudget {
-                        key: StateKey::SpendRun(run.clone(), name.clone()),
+                        key: StateKey::SpendRun(Arc::from(run.as_str()), name.clone()),
                         size,
                         budget: SpendBudget::Run,
                         idle_us: u.run_idle.as_micros() as f64,
