@@ -596,6 +596,12 @@ fn a_queued_caller_that_hangs_up_leaks_no_slot() {
         json!({"tenant": "t", "subject": "s", "tool": "x", "max_wait_ms": 2000}),
         Duration::from_millis(200),
     );
+    // Released only once admitd has seen the hang-up: a caller that hangs up at the instant its
+    // slot is granted cannot be told from one that hung up just after its answer, and that lease
+    // lives to its TTL (on a loaded machine the hang-up can reach admitd after the release).
+    assert!(eventually(Duration::from_secs(10), || {
+        d.get("/v1/tenants/t").body["waiting"] == 0
+    }));
     assert_eq!(
         d.release(first.body["lease_id"].as_str().unwrap()).status,
         200
