@@ -17,7 +17,7 @@ use admitd::engine::adaptive::{
     adaptive_wait, SreWindow, ADAPTIVE_WAIT_MAX, ADAPTIVE_WAIT_MIN, SRE_SLOTS,
 };
 use common::redis::RedisServer;
-use common::script::through;
+use common::script::{eval_at_zero, through};
 
 const US: u64 = 1_000;
 const SEC: u64 = 1_000_000 * US;
@@ -195,14 +195,11 @@ fn a_refused_call_waits_alike_however_much_the_upstream_rejects() {
         0.999,
         1.0,
     ];
-    let args: Vec<String> = std::iter::once("0".to_string())
-        .chain(ps.iter().map(|p| format!("{p:?}")))
+    let args: Vec<String> = ps.iter().map(|p| format!("{p:?}")).collect();
+    let lua: Vec<u64> = eval_at_zero(&r, &src, &args)
+        .iter()
+        .map(|l| l.parse().unwrap())
         .collect();
-    let mut cmd = vec!["EVAL", &src, "0"];
-    cmd.extend(args.iter().map(String::as_str));
-    let out = r.cli(&cmd);
-    let lua: Vec<u64> = out.lines().map(|l| l.parse().unwrap()).collect();
-    assert_eq!(lua.len(), ps.len(), "{out}");
     let mut inside = false;
     for (p, lua) in ps.iter().zip(lua) {
         let engine = adaptive_wait(*p) / US;

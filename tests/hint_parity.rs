@@ -15,7 +15,7 @@ mod common;
 use admitd::engine::bucket::{stagger, stagger_window};
 use admitd::engine::slots::margin;
 use common::redis::RedisServer;
-use common::script::through;
+use common::script::{eval_at_zero, through};
 
 const US: u64 = 1_000;
 const MS: u64 = 1_000 * US;
@@ -155,13 +155,11 @@ fn an_upstreams_hints_are_spread_over_the_same_window() {
         60 * SEC + US,
         3_600 * SEC,
     ];
-    let args: Vec<String> = std::iter::once("0".to_string())
-        .chain(waits.iter().map(|w| (w / US).to_string()))
+    let args: Vec<String> = waits.iter().map(|w| (w / US).to_string()).collect();
+    let lua: Vec<u64> = eval_at_zero(&r, &src, &args)
+        .iter()
+        .map(|l| l.parse().unwrap())
         .collect();
-    let mut cmd = vec!["EVAL", &src, "0"];
-    cmd.extend(args.iter().map(String::as_str));
-    let out = r.cli(&cmd);
-    let lua: Vec<u64> = out.lines().map(|l| l.parse().unwrap()).collect();
     let engine: Vec<u64> = waits.iter().map(|&w| stagger_window(w) / US).collect();
     assert_eq!(lua, engine, "waits {waits:?}");
 }
@@ -191,14 +189,11 @@ fn a_concurrency_hint_leaves_the_same_margin_after_the_slot() {
         5_000_001.0,
         3_600e6,
     ];
-    let args: Vec<String> = std::iter::once("0".to_string())
-        .chain(runs.iter().map(|r| format!("{r}")))
+    let args: Vec<String> = runs.iter().map(|r| format!("{r}")).collect();
+    let lua: Vec<f64> = eval_at_zero(&r, &src, &args)
+        .iter()
+        .map(|l| l.parse().unwrap())
         .collect();
-    let mut cmd = vec!["EVAL", &src, "0"];
-    cmd.extend(args.iter().map(String::as_str));
-    let out = r.cli(&cmd);
-    let lua: Vec<f64> = out.lines().map(|l| l.parse().unwrap()).collect();
-    assert_eq!(lua.len(), runs.len(), "{out}");
     for (run, lua) in runs.iter().zip(lua) {
         let engine = margin((run * 1e3).round() as u64) as f64 / 1e3;
         // The engine counts whole nanoseconds, the script microseconds as a double.

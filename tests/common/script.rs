@@ -30,3 +30,14 @@ pub fn through(name: &str, body: &str) -> String {
     let head = script[..end].replace(CLOCK, "local now = tonumber(ARGV[1])");
     format!("{head}\n{body}")
 }
+
+/// Runs `src` (no key) on the clock 0 with `args` after it, as the parity tests feed a function a
+/// list of inputs; its answer, one line per value.
+pub fn eval_at_zero(r: &super::redis::RedisServer, src: &str, args: &[String]) -> Vec<String> {
+    let mut cmd = vec!["EVAL", src, "0", "0"];
+    cmd.extend(args.iter().map(String::as_str));
+    let out = r.cli(&cmd);
+    let lines: Vec<String> = out.lines().map(str::to_string).collect();
+    assert_eq!(lines.len(), args.len(), "one answer per input: {out}");
+    lines
+}
