@@ -1,5 +1,6 @@
-//! What the shared-store script reads and answers: a decision's spec and what its lease keeps
-//! (written straight from the planned call, no JSON tree), and the answers parsed back.
+//! What the shared-store script reads and answers: a decision's and a release's spec and what a
+//! lease keeps (MessagePack written straight from the planned call, read by the script by position;
+//! the operations off the decision path take JSON), and the answers parsed back.
 
 use serde::Serialize;
 
