@@ -25,7 +25,7 @@ impl Keys {
 
     /// The part every key of `tenant` starts with.
     pub fn tenant_base(&self, tenant: &str) -> String {
-        format!("{}:{{t:{tenant}}}", self.prefix)
+        cat(&[&self.prefix, ":{t:", tenant, "}"])
     }
 
     /// A key of `key`'s hash tag that admitd never writes (`PREFIX~{TAG}`: every key of the fleet
@@ -33,77 +33,119 @@ impl Keys {
     /// batch, which Redis refuses on a node that does not serve the tag's slot now
     /// ([`super::nodes`]); a key that exists would pass on a node it was not yet migrated away from.
     pub fn probe(&self, key: &str) -> String {
-        format!("{}~{{{}}}", self.prefix, hash_tag(key))
+        cat(&[&self.prefix, "~{", hash_tag(key), "}"])
     }
 
     /// The part every cross-tenant key starts with.
     pub fn cross_base(&self) -> String {
-        format!("{}:{{x}}", self.prefix)
+        cat(&[&self.prefix, ":{x}"])
     }
 
     /// The tenant's hash: its own bucket layers (tenant, subjects, per-tenant upstreams), the counts
     /// of its concurrency scopes, its live leases and its tools' run times, as fields (see the
     /// script's header).
     pub fn hash(&self, tenant: &str) -> String {
-        format!("{}:h", self.tenant_base(tenant))
+        cat(&[&self.prefix, ":{t:", tenant, "}:h"])
     }
 
     /// The tenant's lease set: every live lease, scored by its end.
     pub fn leases(&self, tenant: &str) -> String {
-        format!("{}:ls", self.tenant_base(tenant))
+        cat(&[&self.prefix, ":{t:", tenant, "}:ls"])
     }
 
-    /// Where a bucket layer's state lives: a hash and the prefix of its fields in it (the tenant's
-    /// hash for the tenant's own layers, a hash of its own with no prefix for the others).
-    pub fn layer(&self, tenant: &str, k: &StateKey) -> (String, String) {
+    /// Where a bucket layer's state lives: a hash and the prefix of its fields in it (`None` for the
+    /// tenant's hash, which holds the tenant's own layers; a hash of its own with no prefix for the
+    /// others).
+    pub fn layer(&self, tenant: &str, k: &StateKey) -> (Option<String>, String) {
         match k {
-            StateKey::TenantBucket => (self.hash(tenant), "t|".into()),
-            StateKey::SubjectBucket(s) => (self.hash(tenant), format!("s:{s}|")),
-            StateKey::UpstreamBucket(u) => (self.hash(tenant), format!("u:{u}|")),
-            _ => (self.key(tenant, k), String::new()),
+            StateKey::TenantBucket => (None, "t|".into()),
+            StateKey::SubjectBucket(s) => (None, cat(&["s:", s, "|"])),
+            StateKey::UpstreamBucket(u) => (None, cat(&["u:", u, "|"])),
+            _ => (Some(self.key(tenant, k)), String::new()),
         }
     }
 
     /// The field of the tenant's hash that counts a concurrency scope's leases.
     pub fn slots_field(k: &StateKey) -> String {
         match k {
-            StateKey::SubjectSlots(s) => format!("s:{s}|n"),
+            StateKey::SubjectSlots(s) => cat(&["s:", s, "|n"]),
             _ => "t|n".into(),
         }
     }
 
+    /// A key of `tenant` (or, for cross-tenant state, of the fleet). Written piece by piece: this
+    /// runs several times per decision, and `format!` cost about twice as much.
     pub fn key(&self, tenant: &str, k: &StateKey) -> String {
-        let t = || self.tenant_base(tenant);
-        let x = || self.cross_base();
-        match k {
-            StateKey::SubjectBucket(s) => format!("{}:b:s:{s}", t()),
-            StateKey::SubjectToolBucket(s, tool) => {
-                format!("{}:b:st:{}:{s}:{tool}", t(), s.len())
+        let p = self.prefix.as_str();
+        let joined = |head: &[&str], rest: &[&str]| {
+            let n = head.iter().chain(rest).map(|s| s.len()).sum();
+            let mut s = String::with_capacity(n);
+            for part in head.iter().chain(rest) {
+                s.push_str(part);
             }
-            StateKey::TenantBucket => format!("{}:b:t", t()),
-            StateKey::UpstreamBucket(u) => format!("{}:b:u:{u}", t()),
-            StateKey::SharedUpstreamBucket(u) => format!("{}:b:u:{u}", x()),
-            StateKey::GlobalBucket(None) => format!("{}:b:g", x()),
-            StateKey::GlobalBucket(Some(plan)) => format!("{}:b:g:{plan}", x()),
-            StateKey::SubjectSlots(s) => format!("{}:c:s:{s}", t()),
-            StateKey::TenantSlots => format!("{}:c:t", t()),
-            StateKey::SubjectQuota(s) => format!("{}:q:s:{s}", t()),
-            StateKey::TenantQuota => format!("{}:q:t", t()),
-            StateKey::Penalty(u, false) => format!("{}:pen:{u}", t()),
-            StateKey::Penalty(u, true) => format!("{}:pen:{u}", x()),
-            StateKey::UpstreamState(u, false) => format!("{}:up:{u}", t()),
-            StateKey::UpstreamState(u, true) => format!("{}:up:{u}", x()),
-            StateKey::Lease(id) => format!("{}:l:{id:016x}", t()),
-            StateKey::RunTimes => format!("{}:rt", t()),
-            StateKey::SubjectIndex => format!("{}:subjects", t()),
-            StateKey::LeaseExtra(id) => format!("{}:lx:{id:016x}", t()),
-            StateKey::Tasks => format!("{}:tasks", t()),
-            StateKey::TaskCursor => format!("{}:tcur", t()),
+            s
+        };
+        let t = |rest: &[&str]| joined(&[p, ":{t:", tenant, "}"], rest);
+        let x = |rest: &[&str]| joined(&[p, ":{x}"], rest);
+        match k {
+            StateKey::SubjectBucket(s) => t(&[":b:s:", s]),
+            StateKey::SubjectToolBucket(s, tool) => {
+                t(&[":b:st:", itoa::Buffer::new().format(s.len()), ":", s, ":", tool])
+            }
+            StateKey::TenantBucket => t(&[":b:t"]),
+            StateKey::UpstreamBucket(u) => t(&[":b:u:", u]),
+            StateKey::SharedUpstreamBucket(u) => x(&[":b:u:", u]),
+            StateKey::GlobalBucket(None) => x(&[":b:g"]),
+            StateKey::GlobalBucket(Some(plan)) => x(&[":b:g:", plan]),
+            StateKey::SubjectSlots(s) => t(&[":c:s:", s]),
+            StateKey::TenantSlots => t(&[":c:t"]),
+            StateKey::SubjectQuota(s) => t(&[":q:s:", s]),
+            StateKey::TenantQuota => t(&[":q:t"]),
+            StateKey::Penalty(u, false) => t(&[":pen:", u]),
+            StateKey::Penalty(u, true) => x(&[":pen:", u]),
+            StateKey::UpstreamState(u, false) => t(&[":up:", u]),
+            StateKey::UpstreamState(u, true) => x(&[":up:", u]),
+            StateKey::Lease(id) => t(&[":l:", hex16(*id).as_str()]),
+            StateKey::RunTimes => t(&[":rt"]),
+            StateKey::SubjectIndex => t(&[":subjects"]),
+            StateKey::LeaseExtra(id) => t(&[":lx:", hex16(*id).as_str()]),
+            StateKey::Tasks => t(&[":tasks"]),
+            StateKey::TaskCursor => t(&[":tcur"]),
             // A unit's name has no `:` ([a-z][a-z0-9_]*), so it ends where the caller's name starts.
-            StateKey::SpendTenant(unit) => format!("{}:sp:t:{unit}", t()),
-            StateKey::SpendSubject(s, unit) => format!("{}:sp:s:{unit}:{s}", t()),
-            StateKey::SpendRun(run, unit) => format!("{}:sp:r:{unit}:{run}", t()),
+            StateKey::SpendTenant(unit) => t(&[":sp:t:", unit]),
+            StateKey::SpendSubject(s, unit) => t(&[":sp:s:", unit, ":", s]),
+            StateKey::SpendRun(run, unit) => t(&[":sp:r:", unit, ":", run]),
         }
+    }
+}
+
+/// The pieces joined, in one allocation of the right size.
+pub fn cat(parts: &[&str]) -> String {
+    let mut s = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        s.push_str(p);
+    }
+    s
+}
+
+/// A lease id as its keys and fields name it: 16 lowercase hex digits.
+pub fn hex16(id: u64) -> Hex16 {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = DIGITS[((id >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    Hex16(out)
+}
+
+/// 16 hex digits, on the stack.
+#[derive(Clone, Copy)]
+pub struct Hex16([u8; 16]);
+
+impl Hex16 {
+    pub fn as_str(&self) -> &str {
+        // Only ASCII hex digits are ever written.
+        std::str::from_utf8(&self.0).unwrap_or_default()
     }
 }
 
@@ -181,6 +223,42 @@ mod tests {
     }
 
     #[test]
+    fn keys_are_named_as_the_script_and_earlier_versions_name_them() {
+        let k = Keys::new("admitd");
+        let s: Arc<str> = Arc::from("bot");
+        let cases = [
+            (StateKey::SubjectBucket(s.clone()), "admitd:{t:acme}:b:s:bot"),
+            (
+                StateKey::SubjectToolBucket(s.clone(), Arc::from("search")),
+                "admitd:{t:acme}:b:st:3:bot:search",
+            ),
+            (StateKey::TenantBucket, "admitd:{t:acme}:b:t"),
+            (StateKey::GlobalBucket(None), "admitd:{x}:b:g"),
+            (StateKey::GlobalBucket(Some(Arc::from("free"))), "admitd:{x}:b:g:free"),
+            (StateKey::Penalty(Arc::from("crm"), true), "admitd:{x}:pen:crm"),
+            (StateKey::Penalty(Arc::from("crm"), false), "admitd:{t:acme}:pen:crm"),
+            (StateKey::LeaseExtra(0xab), "admitd:{t:acme}:lx:00000000000000ab"),
+            (StateKey::SubjectIndex, "admitd:{t:acme}:subjects"),
+            (
+                StateKey::SpendSubject(s.clone(), Arc::from("usd")),
+                "admitd:{t:acme}:sp:s:usd:bot",
+            ),
+        ];
+        for (key, name) in cases {
+            assert_eq!(k.key("acme", &key), name);
+        }
+        assert_eq!(k.tenant_base("acme"), "admitd:{t:acme}");
+        assert_eq!(k.hash("acme"), "admitd:{t:acme}:h");
+        assert_eq!(k.leases("acme"), "admitd:{t:acme}:ls");
+        assert_eq!(k.cross_base(), "admitd:{x}");
+        assert_eq!(k.layer("acme", &StateKey::SubjectBucket(s)), (None, "s:bot|".into()));
+        assert_eq!(
+            Keys::slots_field(&StateKey::SubjectSlots(Arc::from("bot"))),
+            "s:bot|n"
+        );
+    }
+
+    #[test]
     fn names_that_meet_cannot_make_the_same_key() {
         let k = Keys::new("p");
         let a = k.key(
@@ -196,5 +274,7 @@ mod tests {
             k.key("t", &StateKey::Lease(255)),
             "p:{t:t}:l:00000000000000ff"
         );
+        assert_eq!(hex16(u64::MAX).as_str(), format!("{:016x}", u64::MAX));
+        assert_eq!(hex16(0x0123_4567_89ab_cdef).as_str(), "0123456789abcdef");
     }
 }

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use super::error::StoreError;
-use super::keys::Keys;
+use super::keys::{cat, hex16, Keys};
 use crate::config::{Aimd, Probing};
 use crate::engine::probe::{self, StoredProbe};
 use crate::engine::{
@@ -83,7 +83,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         cost: call.cost,
         keys: layers
             .iter()
-            .map(|(k, fp, _)| [k.as_str(), fp.as_str()])
+            .map(|(k, fp, _)| [k.as_deref().unwrap_or(&hash), fp.as_str()])
             .collect(),
         quotas: quotas.iter().map(|(k, _)| k.as_str()).collect(),
         m: &member,
@@ -128,7 +128,7 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
     p.bool(own);
     p.str(&hash);
     p.str(&keys.leases(tenant));
-    p.str(&format!("l:{:016x}", call.lease));
+    p.str_parts(&["l:", hex16(call.lease).as_str()]);
     p.str(&member);
     p.str(&call.subject);
     p.str(&call.tool);
@@ -148,11 +148,16 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
     // What each layer takes, as the lease keeps it, when no layer's rate moves with an AIMD
     // multiplier (the script computes the same `floor(n * T)`): the script formats no number for it.
     if layers.iter().all(|(_, _, l)| l.aimd.is_none()) {
-        let incs: Vec<String> = layers
-            .iter()
-            .map(|(_, _, l)| fmt_num((l.tokens * l.t_us).floor()))
-            .collect();
-        p.str(&format!("[{}]", incs.join(",")));
+        let mut incs = String::with_capacity(2 + 12 * layers.len());
+        incs.push('[');
+        for (i, (_, _, l)) in layers.iter().enumerate() {
+            if i > 0 {
+                incs.push(',');
+            }
+            push_num(&mut incs, (l.tokens * l.t_us).floor());
+        }
+        incs.push(']');
+        p.str(&incs);
     } else {
         p.nil();
     }
@@ -163,12 +168,8 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
     p.num(layers.len() as f64);
     for (k, fp, l) in &layers {
         // The tenant's own hash is named once, in the header.
-        if *k == hash {
-            p.nil();
-        } else {
-            p.str(k);
-        }
-        p.str(&format!("{fp}tat"));
+        p.opt_str(k.as_deref());
+        p.str_parts(&[fp, "tat"]);
         // The promise cursor's field: the script names the usual one (`{fp}p`) itself.
         match &l.key {
             StateKey::SharedUpstreamBucket(_) => p.str(&format!("{fp}{}", promise_field(tenant))),
@@ -271,7 +272,7 @@ pub(super) fn release_spec(keys: &Keys, tenant: &str, lease: u64, r: ReleaseSpec
     let mut p = Pack::default();
     p.str(&keys.hash(tenant));
     p.str(&keys.leases(tenant));
-    p.str(&format!("{lease:016x}"));
+    p.str(hex16(lease).as_str());
     p.str(r.refund);
     p.bool(r.report);
     p.bool(r.limited);
@@ -327,7 +328,12 @@ impl Pack {
     }
 
     fn str(&mut self, s: &str) {
-        let n = s.len();
+        self.str_head(s.len());
+        self.0.extend_from_slice(s.as_bytes());
+    }
+
+    /// The header of a string of `n` bytes.
+    fn str_head(&mut self, n: usize) {
         if n < 32 {
             self.0.push(0xa0 | n as u8);
         } else if n < 0x100 {
@@ -339,7 +345,15 @@ impl Pack {
             self.0.push(0xdb);
             self.0.extend_from_slice(&(n as u32).to_be_bytes());
         }
-        self.0.extend_from_slice(s.as_bytes());
+    }
+
+    /// A string made of `parts`, written without joining them first.
+    fn str_parts(&mut self, parts: &[&str]) {
+        let n: usize = parts.iter().map(|s| s.len()).sum();
+        self.str_head(n);
+        for s in parts {
+            self.0.extend_from_slice(s.as_bytes());
+        }
     }
 
     fn strs(&mut self, v: &[&str]) {
@@ -477,6 +491,15 @@ pub(super) fn probe_write(answer: &str, limited: bool) -> Option<(String, String
     Some((a.u.s, spec.to_string()))
 }
 
+/// Appends a number as the script writes it: integers without a fraction.
+fn push_num(out: &mut String, x: f64) {
+    if x.fract() == 0.0 && x.abs() < 9e15 {
+        out.push_str(itoa::Buffer::new().format(x as i64));
+    } else {
+        out.push_str(&fmt_num(x));
+    }
+}
+
 /// A number as the script writes it: integers without a fraction.
 fn fmt_num(x: f64) -> String {
     if x.fract() == 0.0 && x.abs() < 9e15 {
@@ -528,7 +551,8 @@ fn lease_member(lease: u64, conc: &[RemoteSlots], subject: &str) -> String {
         (false, true) => 's',
         (false, false) => '-',
     };
-    format!("{lease:016x}{scopes}{subject}")
+    let mut scope = [0u8; 4];
+    cat(&[hex16(lease).as_str(), scopes.encode_utf8(&mut scope), subject])
 }
 
 /// What a lease keeps for its release (the end of its field `l:ID`), stored as admitd writes it: a
