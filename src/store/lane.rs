@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::error::{connection_config, store_error, StoreError};
+use super::wire;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The most operations one script call carries (see [`Lanes::lane`]): a batch keeps Redis
 /// busy for about this many decisions, so this also bounds how long one batch delays others.
@@ -62,6 +64,8 @@ impl Reply {
 pub(super) struct Lanes {
     /// The script every batch calls (its `batch` operation).
     script: redis::Script,
+    /// Its source, for `SCRIPT LOAD` on a lane's own connection.
+    source: Arc<str>,
     /// How many batches one lane keeps in flight (at least two).
     in_flight: usize,
     /// How long a lane's connection may take to open.
@@ -87,15 +91,11 @@ thread_local! {
 }
 
 impl Lanes {
-    pub(super) fn new(
-        script: redis::Script,
-        pool_size: usize,
-        timeout: Duration,
-        routed: bool,
-    ) -> Self {
+    pub(super) fn new(source: &str, pool_size: usize, timeout: Duration, routed: bool) -> Self {
         Lanes {
-            script,
-            in_flight: pool_size.max(2),
+            script: redis::Script::new(source),
+            source: Arc::from(source),
+            in_flight: pool_size.max(1),
             connect_limit: Duration::from_secs(1).max(timeout),
             routed,
         }
@@ -145,6 +145,20 @@ impl Lanes {
     async fn lane(
         self: Arc<Self>,
         client: redis::Client,
+        queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
+    ) {
+        let info = client.get_connection_info();
+        if let redis::ConnectionAddr::Tcp(host, port) = info.addr() {
+            let (host, port, settings) = (host.clone(), *port, info.redis_settings().clone());
+            return self.direct(host, port, settings, queue).await;
+        }
+        self.through_library(client, queue).await
+    }
+
+    /// A lane on a connection made and driven by the client library (`rediss://`).
+    async fn through_library(
+        self: Arc<Self>,
+        client: redis::Client,
         mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
     ) {
         let limit = self.connect_limit;
@@ -160,15 +174,7 @@ impl Lanes {
                     Ok(Err(e)) => StoreError::Connection(e.to_string()),
                     _ => StoreError::Connection("connecting timed out".into()),
                 };
-                queue.close();
-                while let Ok(q) = queue.try_recv() {
-                    let _ = q.answer.send(Reply::Unsent {
-                        error: e.clone(),
-                        spec: q.spec,
-                        data: q.data,
-                    });
-                }
-                return;
+                return unsent(queue, e);
             }
         };
         let in_flight = Arc::new(tokio::sync::Semaphore::new(self.in_flight));
@@ -176,16 +182,7 @@ impl Lanes {
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
                 return;
             };
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match queue.try_recv() {
-                    Ok(q) => batch.push(q),
-                    Err(_) => break,
-                }
-            }
-            // A caller that stopped waiting (its timeout passed, and `on_error` answered it) gets no
-            // decision behind its back: nothing is spent and no lease is left for nobody.
-            batch.retain(|q| !q.answer.is_closed());
+            let batch = gather(first, &mut queue);
             if batch.is_empty() {
                 continue;
             }
@@ -195,6 +192,196 @@ impl Lanes {
                 me.send_batch(con, batch).await;
                 drop(permit);
             });
+        }
+    }
+
+    /// A lane on a connection of its own, speaking RESP itself ([`super::wire`]): each batch is
+    /// written as one `EVALSHA` and its reply read in order, by this one task, with at most
+    /// `in_flight` batches sent and not yet answered. The lane ends when its connection fails
+    /// (every operation sent is answered with the error, every one queued is handed back unsent,
+    /// and the worker's next operation makes a new lane), or when the worker drops its queue and
+    /// every batch sent has its answer.
+    async fn direct(
+        self: Arc<Self>,
+        host: String,
+        port: u16,
+        settings: redis::RedisConnectionInfo,
+        mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>,
+    ) {
+        let con = match wire::connect(&host, port, &settings, self.connect_limit).await {
+            Ok(con) => con,
+            Err(e) => return unsent(queue, e),
+        };
+        let (mut rd, mut wr) = con.into_split();
+        let mut sent: std::collections::VecDeque<Sent> = std::collections::VecDeque::new();
+        let mut batches = 0;
+        let (mut rbuf, mut start) = (Vec::with_capacity(16 * 1024), 0);
+        let mut wbuf = Vec::new();
+        let mut open = true;
+        // Sent batches are checked against IN_FLIGHT_LIMIT once a second: no timer per batch.
+        let mut check = tokio::time::interval(Duration::from_secs(1));
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let failure = loop {
+            if !open && sent.is_empty() {
+                return;
+            }
+            tokio::select! {
+                biased;
+                read = rd.read_buf(&mut rbuf) => {
+                    match read {
+                        Ok(0) => break StoreError::Connection("the server closed the connection".into()),
+                        Err(e) => break StoreError::Connection(e.to_string()),
+                        Ok(_) => {}
+                    }
+                    let mut broken = None;
+                    loop {
+                        match wire::parse(&rbuf[start..]) {
+                            Ok(Some((frame, used))) => {
+                                start += used;
+                                let Some(s) = sent.pop_front() else {
+                                    broken = Some(StoreError::Connection("a reply to nothing sent".into()));
+                                    break;
+                                };
+                                if matches!(s, Sent::Batch { .. }) {
+                                    batches -= 1;
+                                }
+                                if let Some(again) = self.answer(s, frame) {
+                                    wbuf.clear();
+                                    wire::command(&mut wbuf, &[b"SCRIPT", b"LOAD", self.source.as_bytes()]);
+                                    self.batch_wire(&mut wbuf, &again);
+                                    if let Err(e) = wr.write_all(&wbuf).await {
+                                        fail(again, &StoreError::Connection(e.to_string()));
+                                        broken = Some(StoreError::Connection(e.to_string()));
+                                        break;
+                                    }
+                                    sent.push_back(Sent::Load);
+                                    sent.push_back(Sent::Batch { batch: again, at: tokio::time::Instant::now(), reloaded: true });
+                                    batches += 1;
+                                }
+                            }
+                            Ok(None) => break,
+                            Err(e) => {
+                                broken = Some(StoreError::Connection(e));
+                                break;
+                            }
+                        }
+                    }
+                    if let Some(e) = broken {
+                        break e;
+                    }
+                    if start == rbuf.len() {
+                        rbuf.clear();
+                        start = 0;
+                    } else if start > 64 * 1024 {
+                        rbuf.drain(..start);
+                        start = 0;
+                    }
+                }
+                next = queue.recv(), if open && batches < self.in_flight => {
+                    let Some(first) = next else {
+                        open = false;
+                        continue;
+                    };
+                    let batch = gather(first, &mut queue);
+                    if batch.is_empty() {
+                        continue;
+                    }
+                    wbuf.clear();
+                    self.batch_wire(&mut wbuf, &batch);
+                    if let Err(e) = wr.write_all(&wbuf).await {
+                        let e = StoreError::Connection(e.to_string());
+                        fail(batch, &e);
+                        break e;
+                    }
+                    sent.push_back(Sent::Batch { batch, at: tokio::time::Instant::now(), reloaded: false });
+                    batches += 1;
+                }
+                _ = check.tick(), if !sent.is_empty() => {
+                    let oldest = sent.iter().find_map(|s| match s {
+                        Sent::Batch { at, .. } => Some(*at),
+                        Sent::Load => None,
+                    });
+                    if oldest.is_some_and(|at| at.elapsed() >= IN_FLIGHT_LIMIT) {
+                        break StoreError::Timeout;
+                    }
+                }
+            }
+        };
+        for s in sent {
+            if let Sent::Batch { batch, .. } = s {
+                fail(batch, &failure);
+            }
+        }
+        unsent(queue, failure);
+    }
+
+    /// Hands each operation of a sent batch its part of `frame`; a batch that met a Redis without
+    /// the script (restarted, `SCRIPT FLUSH`) comes back to be sent again after `SCRIPT LOAD`, once.
+    fn answer(&self, sent: Sent, frame: wire::Frame) -> Option<Vec<Queued>> {
+        let Sent::Batch {
+            batch, reloaded, ..
+        } = sent
+        else {
+            // `SCRIPT LOAD`: a failure shows in the batch sent after it.
+            return None;
+        };
+        match frame {
+            wire::Frame::Error(e) if e.starts_with("NOSCRIPT") && !reloaded => Some(batch),
+            wire::Frame::Error(e) if self.routed && refused_code(&e) => {
+                for q in batch {
+                    let _ = q.answer.send(Reply::Elsewhere {
+                        why: e.clone(),
+                        spec: q.spec,
+                        data: q.data,
+                    });
+                }
+                None
+            }
+            wire::Frame::Error(e) => {
+                fail(batch, &StoreError::Script(e));
+                None
+            }
+            wire::Frame::Value(v) => {
+                deliver(batch, Ok(v));
+                None
+            }
+        }
+    }
+
+    /// A batch's script call, written as RESP into `out`.
+    fn batch_wire(&self, out: &mut Vec<u8>, batch: &[Queued]) {
+        let per_op = if self.routed { 4 } else { 3 };
+        let bytes: usize = batch
+            .iter()
+            .map(|q| {
+                wire::arg_len(q.op.as_bytes())
+                    + wire::arg_len(&q.spec)
+                    + wire::arg_len(&q.data)
+                    + if self.routed { wire::arg_len(q.route.as_bytes()) } else { 0 }
+            })
+            .sum();
+        out.reserve(128 + batch[0].route.len() + bytes);
+        wire::header(out, b'*', 5 + per_op * batch.len() - usize::from(self.routed));
+        wire::arg(out, b"EVALSHA");
+        wire::arg(out, self.script.get_hash().as_bytes());
+        if self.routed {
+            wire::arg(out, b"0");
+            wire::arg(out, b"routed");
+            for q in batch {
+                wire::arg(out, q.route.as_bytes());
+                wire::arg(out, q.op.as_bytes());
+                wire::arg(out, &q.spec);
+                wire::arg(out, &q.data);
+            }
+        } else {
+            wire::arg(out, b"1");
+            wire::arg(out, batch[0].route.as_bytes());
+            wire::arg(out, b"batch");
+            for q in batch {
+                wire::arg(out, q.op.as_bytes());
+                wire::arg(out, &q.spec);
+                wire::arg(out, &q.data);
+            }
         }
     }
 
@@ -220,30 +407,7 @@ impl Lanes {
             }
             Ok(r) => r.map_err(store_error),
         };
-        match sent {
-            Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
-                for (q, item) in batch.into_iter().zip(items) {
-                    let reply = match batch_item(item) {
-                        Item::Done(r) => Reply::Done(r),
-                        Item::Elsewhere(why) => Reply::Elsewhere {
-                            why,
-                            spec: q.spec,
-                            data: q.data,
-                        },
-                    };
-                    let _ = q.answer.send(reply);
-                }
-            }
-            other => {
-                let e = match other {
-                    Err(e) => e,
-                    Ok(v) => StoreError::Script(format!("unexpected answer to a batch: {v:?}")),
-                };
-                for q in batch {
-                    let _ = q.answer.send(Reply::Done(Err(e.clone())));
-                }
-            }
-        }
+        deliver(batch, sent);
     }
 
     /// A batch's script call (`EVALSHA`), written straight into one command sized for the whole
@@ -303,6 +467,87 @@ fn refused_here(e: &redis::RedisError) -> bool {
         e.code(),
         Some("MOVED" | "ASK" | "TRYAGAIN" | "CROSSSLOT" | "CLUSTERDOWN" | "READONLY")
     )
+}
+
+/// [`refused_here`] for an error reply read off the wire (`CODE message`).
+fn refused_code(e: &str) -> bool {
+    matches!(
+        e.split(' ').next(),
+        Some("MOVED" | "ASK" | "TRYAGAIN" | "CROSSSLOT" | "CLUSTERDOWN" | "READONLY")
+    )
+}
+
+/// A batch sent on a lane's own connection, or the `SCRIPT LOAD` sent before one again.
+enum Sent {
+    Batch {
+        batch: Vec<Queued>,
+        at: tokio::time::Instant,
+        /// Sent again after `SCRIPT LOAD`: a second NOSCRIPT is an error.
+        reloaded: bool,
+    },
+    Load,
+}
+
+/// The operations queued now, from `first` on, up to [`MAX_BATCH`]. A caller that stopped waiting
+/// (its timeout passed, and `on_error` answered it) gets no decision behind its back: nothing is
+/// spent and no lease is left for nobody.
+fn gather(first: Queued, queue: &mut tokio::sync::mpsc::UnboundedReceiver<Queued>) -> Vec<Queued> {
+    let mut batch = Vec::with_capacity(MAX_BATCH.min(queue.len() + 1));
+    batch.push(first);
+    while batch.len() < MAX_BATCH {
+        match queue.try_recv() {
+            Ok(q) => batch.push(q),
+            Err(_) => break,
+        }
+    }
+    batch.retain(|q| !q.answer.is_closed());
+    batch
+}
+
+/// Hands each operation of a batch its answer: its item of the script's list.
+fn deliver(batch: Vec<Queued>, answer: Result<redis::Value, StoreError>) {
+    match answer {
+        Ok(redis::Value::Array(items)) if items.len() == batch.len() => {
+            for (q, item) in batch.into_iter().zip(items) {
+                let reply = match batch_item(item) {
+                    Item::Done(r) => Reply::Done(r),
+                    Item::Elsewhere(why) => Reply::Elsewhere {
+                        why,
+                        spec: q.spec,
+                        data: q.data,
+                    },
+                };
+                let _ = q.answer.send(reply);
+            }
+        }
+        other => {
+            let e = match other {
+                Err(e) => e,
+                Ok(v) => StoreError::Script(format!("unexpected answer to a batch: {v:?}")),
+            };
+            fail(batch, &e);
+        }
+    }
+}
+
+/// Answers every operation of a batch with `e`.
+fn fail(batch: Vec<Queued>, e: &StoreError) {
+    for q in batch {
+        let _ = q.answer.send(Reply::Done(Err(e.clone())));
+    }
+}
+
+/// Ends a lane's queue: every operation in it goes back unsent, with `e`, to be sent on the
+/// worker's next lane (or, on a cluster, where the slot map says).
+fn unsent(mut queue: tokio::sync::mpsc::UnboundedReceiver<Queued>, e: StoreError) {
+    queue.close();
+    while let Ok(q) = queue.try_recv() {
+        let _ = q.answer.send(Reply::Unsent {
+            error: e.clone(),
+            spec: q.spec,
+            data: q.data,
+        });
+    }
 }
 
 /// How long a lane's script call keeps its place in flight without an answer. Not the store's

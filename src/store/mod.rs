@@ -26,6 +26,7 @@ pub mod script;
 pub mod slices;
 mod spec;
 mod tasks;
+mod wire;
 
 pub use self::error::StoreError;
 pub use self::redis::{RedisStore, Refund, StoreReleased};

@@ -162,7 +162,7 @@ impl RedisStore {
             cfg: cfg.clone(),
             script: redis::Script::new(script),
             lanes: Arc::new(Lanes::new(
-                redis::Script::new(script),
+                script,
                 cfg.pool_size,
                 cfg.timeout,
                 cfg.cluster,
