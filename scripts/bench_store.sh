@@ -20,7 +20,11 @@
 # Environment (defaults in brackets): DURATION [10] measured seconds per run, after WARMUP [2] seconds
 # of the same load (a run of its own, so that the measured run's requests are exactly what the
 # counters around it saw); ROUNDS [3]; CONNECTIONS [64]; MODES ["admit admit-release"];
-# STORES ["memory redis"]; SERVER_CPU [0], CLIENT_CPU [1]; PORT [19490] for admitd; REDIS_PORT [the
+# STORES ["memory redis"]; SERVER_CPU [0], CLIENT_CPU [1]; REDIS_CPU [SERVER_CPU] (the load generator's
+# core instead shows what Redis sharing admitd's core costs admitd); RATE [closed loop] requests/s in
+# total, open loop, for both stores alike (CPU per request falls as load rises, since wake-ups and
+# reads carry more requests each: at one rate below Redis mode's saturation the two stores' CPU per
+# request compare at the same load); PORT [19490] for admitd; REDIS_PORT [the
 # first free port from 19491]; OUT [target/bench-store]; SKIP_BUILD=1 to use what is built; ADMITD
 # [target/release/admitd] (another build, e.g. to compare two versions of src/store/admitd.lua, which
 # is compiled into the binary).
@@ -39,6 +43,7 @@ CONNECTIONS=${CONNECTIONS:-64}
 MODES=${MODES:-"admit admit-release"}
 STORES=${STORES:-"memory redis"}
 SERVER_CPU=${SERVER_CPU:-0}
+REDIS_CPU=${REDIS_CPU:-$SERVER_CPU}
 CLIENT_CPU=${CLIENT_CPU:-1}
 PORT=${PORT:-19490}
 OUT=${OUT:-target/bench-store}
@@ -79,7 +84,7 @@ if [[ " $STORES " == *" redis "* ]]; then
     for p in $candidates; do
         listening "$p" && continue
         REDIS_PORT=$p
-        taskset -c "$SERVER_CPU" redis-server --port "$p" --bind 127.0.0.1 --save "" --appendonly no \
+        taskset -c "$REDIS_CPU" redis-server --port "$p" --bind 127.0.0.1 --save "" --appendonly no \
             --dir "$work" --logfile "$OUT/redis.log" --daemonize no &
         redis_pid=$!
         started+=("$redis_pid")
@@ -137,6 +142,7 @@ run_once() { # run_once STORE MODE ROUND: one measured run, its JSON line append
     [[ $store == redis ]] && rcli FLUSHALL >/dev/null
     start_admitd "$work/$store.toml" || return 0
     local common=(--url "http://127.0.0.1:$PORT" --connections "$CONNECTIONS" --mode "$mode" --warmup 0)
+    if [[ -n ${RATE:-} ]]; then common+=(--rate "$RATE"); fi
     taskset -c "$CLIENT_CPU" "$LOADGEN" "${common[@]}" --duration "$WARMUP" >/dev/null 2>&1 || true
     local before ticks_before after ticks_after
     if [[ $store == redis ]]; then before=$(commandstats); ticks_before=$(cpu_ticks "$redis_pid"); fi
@@ -173,7 +179,7 @@ done
 # ---- report ---------------------------------------------------------------------------------------
 
 {
-    echo "machine: $(nproc) cores, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1); admitd and redis-server on core $SERVER_CPU, load generator on core $CLIENT_CPU; $CONNECTIONS connections, closed loop, ${DURATION} s per run after ${WARMUP} s of warm-up; $(redis-server --version | awk '{ print $3 }')"
+    echo "machine: $(nproc) cores, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1); admitd on core $SERVER_CPU, redis-server on core $REDIS_CPU, load generator on core $CLIENT_CPU; $CONNECTIONS connections, $(if [[ -n ${RATE:-} ]]; then echo "open loop at $RATE requests/s"; else echo "closed loop"; fi), ${DURATION} s per run after ${WARMUP} s of warm-up; $(redis-server --version | awk '{ print $3 }')"
     echo
     echo "| run | req/s | admissions/s | p50 µs | p99 µs | admitd CPU µs/req | Redis CPU µs/admission | round trips (EVALSHA) per admission | EVALSHA µs inside Redis | commands in the script per admission | steal ms | 2xx | 429 | other | errors |"
     echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"
