@@ -2,11 +2,13 @@
 //!
 //! Every key of one tenant carries the tenant as a Redis Cluster hash tag (`{t:NAME}`), so one call's
 //! script runs on the one shard that holds all of that tenant's state. State shared by every tenant
-//! (the global buckets and `shared = true` upstreams) lives under one tag of its own (`{x}`): in a
-//! cluster a call that spends it takes a second round trip to that shard (see
-//! [`super::redis::RedisStore::decide`]). Names are the tenant's, subject's, tool's and upstream's as
-//! sent: they contain no control characters, and where two of them meet the first is length-prefixed,
-//! so no two states share a key.
+//! lives under tags of its own: the global buckets under `{x}`, and each `shared = true` upstream's
+//! bucket, penalty and AIMD / adaptive / probe state under the upstream's own tag (`{u:NAME}`), so
+//! that different shared upstreams spread over the shards of a cluster. In a cluster a call that
+//! spends such state reaches its shard from this replica's slices or in a round trip of its own
+//! (see [`super::redis::RedisStore::decide`]). Names are the tenant's, subject's, tool's and
+//! upstream's as sent: they contain no control characters, and where two of them meet the first is
+//! length-prefixed, so no two states share a key.
 
 use crate::engine::StateKey;
 
@@ -36,9 +38,20 @@ impl Keys {
         format!("{}~{{{}}}", self.prefix, hash_tag(key))
     }
 
-    /// The part every cross-tenant key starts with.
+    /// The part every key of the hash tag `tag` starts with (routes an operation to its shard).
+    pub fn tag_base(&self, tag: &str) -> String {
+        format!("{}:{{{tag}}}", self.prefix)
+    }
+
+    /// The part every global bucket's key starts with.
     pub fn cross_base(&self) -> String {
         format!("{}:{{x}}", self.prefix)
+    }
+
+    /// The part every key of the `shared = true` upstream `upstream` starts with: its bucket, its
+    /// penalty and its state (AIMD multiplier, adaptive window, probe schedule) share this tag.
+    pub fn upstream_base(&self, upstream: &str) -> String {
+        format!("{}:{{u:{upstream}}}", self.prefix)
     }
 
     /// The tenant's hash: its own bucket layers (tenant, subjects, per-tenant upstreams), the counts
@@ -75,6 +88,7 @@ impl Keys {
     pub fn key(&self, tenant: &str, k: &StateKey) -> String {
         let t = || self.tenant_base(tenant);
         let x = || self.cross_base();
+        let u = |name: &str| self.upstream_base(name);
         match k {
             StateKey::SubjectBucket(s) => format!("{}:b:s:{s}", t()),
             StateKey::SubjectToolBucket(s, tool) => {
@@ -82,7 +96,7 @@ impl Keys {
             }
             StateKey::TenantBucket => format!("{}:b:t", t()),
             StateKey::UpstreamBucket(u) => format!("{}:b:u:{u}", t()),
-            StateKey::SharedUpstreamBucket(u) => format!("{}:b:u:{u}", x()),
+            StateKey::SharedUpstreamBucket(name) => format!("{}:b", u(name)),
             StateKey::GlobalBucket(None) => format!("{}:b:g", x()),
             StateKey::GlobalBucket(Some(plan)) => format!("{}:b:g:{plan}", x()),
             StateKey::SubjectSlots(s) => format!("{}:c:s:{s}", t()),
@@ -90,9 +104,9 @@ impl Keys {
             StateKey::SubjectQuota(s) => format!("{}:q:s:{s}", t()),
             StateKey::TenantQuota => format!("{}:q:t", t()),
             StateKey::Penalty(u, false) => format!("{}:pen:{u}", t()),
-            StateKey::Penalty(u, true) => format!("{}:pen:{u}", x()),
+            StateKey::Penalty(name, true) => format!("{}:pen", u(name)),
             StateKey::UpstreamState(u, false) => format!("{}:up:{u}", t()),
-            StateKey::UpstreamState(u, true) => format!("{}:up:{u}", x()),
+            StateKey::UpstreamState(name, true) => format!("{}:up", u(name)),
             StateKey::Lease(id) => format!("{}:l:{id:016x}", t()),
             StateKey::RunTimes => format!("{}:rt", t()),
             StateKey::SubjectIndex => format!("{}:subjects", t()),
@@ -151,17 +165,39 @@ mod tests {
             assert!(!key.cross_tenant(), "{key:?}");
             assert_eq!(hash_tag(&k.key("acme", key)), "t:acme", "{key:?}");
         }
-        let cross = [
-            StateKey::SharedUpstreamBucket(u.clone()),
+        for key in [
             StateKey::GlobalBucket(None),
             StateKey::GlobalBucket(Some(Arc::from("free"))),
-            StateKey::Penalty(u.clone(), true),
-            StateKey::UpstreamState(u, true),
-        ];
-        for key in &cross {
+        ] {
             assert!(key.cross_tenant(), "{key:?}");
-            assert_eq!(hash_tag(&k.key("acme", key)), "x", "{key:?}");
+            assert_eq!(hash_tag(&k.key("acme", &key)), "x", "{key:?}");
         }
+        // Each shared upstream's state under a tag of its own, whichever tenant's call names it.
+        for name in ["crm", "search"] {
+            let u: Arc<str> = Arc::from(name);
+            for key in [
+                StateKey::SharedUpstreamBucket(u.clone()),
+                StateKey::Penalty(u.clone(), true),
+                StateKey::UpstreamState(u.clone(), true),
+            ] {
+                assert!(key.cross_tenant(), "{key:?}");
+                for tenant in ["acme", "globex"] {
+                    assert_eq!(hash_tag(&k.key(tenant, &key)), format!("u:{name}"));
+                }
+            }
+        }
+        assert_eq!(
+            k.key("acme", &StateKey::SharedUpstreamBucket(u.clone())),
+            "admitd:{u:crm}:b"
+        );
+        assert_eq!(
+            k.key("acme", &StateKey::Penalty(u.clone(), true)),
+            "admitd:{u:crm}:pen"
+        );
+        assert_eq!(
+            k.key("acme", &StateKey::UpstreamState(u, true)),
+            "admitd:{u:crm}:up"
+        );
     }
 
     #[test]
