@@ -444,4 +444,43 @@ mod tests {
             Some(1.0)
         );
     }
+
+    #[test]
+    fn a_halted_slice_spends_nothing_asks_nothing_and_keeps_no_refill_asked_before() {
+        let slice = Slice::default();
+        let now = 5_000 * MS;
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now), Some(1.0));
+        let asked = slice.epoch();
+        assert_eq!(
+            slice.refilled(6.0, (10.0, 100.0), (7, 250.0), now, SHARED_LIFE, asked),
+            0.0
+        );
+        assert!(matches!(slice.spend(1.0, now + MS), Spent::Local { .. }));
+        // A shared slice lives a quarter of a second.
+        assert_eq!(slice.spend(1.0, now + SHARED_LIFE), Spent::Empty);
+        // A 429: what it holds goes back (at what a token was worth), nothing more is spent here,
+        // and no refill is asked before the penalty ends.
+        let ends = now + 2_000 * MS;
+        assert_eq!(slice.halt(ends), (5.0, 10.0));
+        assert_eq!(slice.spend(1.0, now + 2 * MS), Spent::Empty);
+        slice.refill_failed();
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, ends - 1), None);
+        // A refill asked before the halt comes back after it: none of it is kept.
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, ends), Some(1.0));
+        let before = slice.epoch();
+        slice.halt(0);
+        assert_eq!(
+            slice.refilled(3.0, (10.0, 100.0), (0, 0.0), ends, SHARED_LIFE, before),
+            3.0
+        );
+        assert_eq!(slice.spend(1.0, ends + MS), Spent::Empty);
+        // The next one is.
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, ends + MS), Some(1.0));
+        let asked = slice.epoch();
+        slice.refilled(3.0, (10.0, 100.0), (0, 0.0), ends + MS, SHARED_LIFE, asked);
+        assert!(matches!(
+            slice.spend(1.0, ends + 2 * MS),
+            Spent::Local { .. }
+        ));
+    }
 }

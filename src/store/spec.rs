@@ -1097,4 +1097,36 @@ mod tests {
         let b = vec![(0, -1.0), (7, 20.0)];
         assert_eq!(merge(a, b), vec![(3, 10.0), (7, 20.0)]);
     }
+
+    #[test]
+    fn a_cross_tenant_part_is_one_hash_tag_and_the_global_buckets_come_last() {
+        use crate::engine::test_support::{call, harness, SEC};
+        use crate::engine::TenantEngine;
+        let (_clock, cfg, shared) = harness(
+            "[limits.global]\nrate = \"10/s\"\nburst = 10\n\
+             [upstreams.crm]\nrate = \"5/s\"\nburst = 5\nshared = true\n\
+             [upstreams.mail]\nrate = \"5/s\"\nburst = 5\nshared = true\nadaptive_k = 2\n\
+             [tools.sync]\nupstreams = { crm = 1, mail = 2 }\n",
+            0,
+        );
+        let mut engine = TenantEngine::new(std::sync::Arc::from("acme"), cfg, shared, 7);
+        let call = engine
+            .plan_remote(&call("bot", "sync"), SEC)
+            .expect("planned for the store");
+        let keys = Keys::new("admitd");
+        let tags = cross_tags(&keys, "acme", &call);
+        assert_eq!(tags, ["u:crm", "u:mail", "x"]);
+        for tag in &tags {
+            let p = decide_spec(&keys, "acme", &call, Part::Cross(tag));
+            assert_eq!(hash_tag(&p.route), tag);
+            // Each layer of the part is of the tag.
+            assert_eq!(p.map.len(), 1, "{tag}");
+            let layer = &call.layers[p.map[0]];
+            assert_eq!(hash_tag(&keys.key("acme", &layer.key)), tag);
+        }
+        // The tenant's part has none of them.
+        let p = decide_spec(&keys, "acme", &call, Part::Tenant);
+        assert!(p.map.iter().all(|&i| !call.layers[i].key.cross_tenant()));
+        assert_eq!(hash_tag(&p.route), "t:acme");
+    }
 }
