@@ -1,9 +1,11 @@
-//! Slices of the global bucket on a three-shard Redis Cluster (`[store] slice`): each replica leases
-//! a few tokens ahead and spends them itself, so a decision makes one script call (on its tenant's
-//! shard) instead of two. The fleet still never admits more than the bucket holds: three replicas,
-//! exact counts; a replica killed holding a slice strands at most its slices, one that stops gives
-//! them back; the shard of the bucket restarted (its state lost) does not let the slices taken
-//! before it be spent again.
+//! Slices of the global bucket and of `shared = true` upstreams' buckets on a three-shard Redis
+//! Cluster (`[store] slice`): each replica leases a few tokens ahead and spends them itself, so a
+//! decision makes one script call (on its tenant's shard) instead of one more per bucket's shard.
+//! The fleet still never admits more than the bucket holds: three replicas, exact counts; a replica
+//! killed holding a slice strands at most its slices, one that stops gives them back; the shard of
+//! the bucket restarted (its state lost) does not let the slices taken before it be spent again. A
+//! shared upstream's slice stops with a 429: at once on the replica that saw it, within a shared
+//! slice's life on the others.
 
 mod common;
 
@@ -316,17 +318,71 @@ fn a_429_through_one_replica_stops_a_shared_upstream_on_another_within_a_slices_
         assert_eq!(r.status, 429, "A, {tenant}: {}", r.body);
         assert_eq!(r.body["scope"], "upstream_penalty", "{}", r.body);
     }
-    // B stops within its slice's life (250 ms) and a round trip.
+    // B stops within its slice's life (250 ms) and a round trip: its calls are decided on the
+    // upstream's shard, none from a slice, while the penalty runs.
     std::thread::sleep(Duration::from_millis(400).saturating_sub(reported.elapsed()));
+    let (sliced, _) = ways(&b);
     for tenant in ["acme", "globex", "initech"] {
         let r = ask(&b, tenant, "query");
         assert_eq!(r.status, 429, "B, {tenant}: {}", r.body);
         assert_eq!(r.body["scope"], "upstream_penalty", "{}", r.body);
     }
+    assert_eq!(
+        ways(&b).0,
+        sliced,
+        "no call decided from a slice under the penalty"
+    );
     // The other shared upstream is not paused, and still decided from B's slices.
     let (before, _) = ways(&b);
     assert_eq!(hammer_tool(&[&b], 30, "send"), 30);
     assert!(ways(&b).0 > before);
+}
+
+#[test]
+fn a_throttled_shared_upstream_is_decided_on_its_shard_within_a_slices_life() {
+    let cluster = RedisCluster::start(3);
+    let cfg = shared_config(&cluster.url()).replace(
+        &format!("[upstreams.search]\nrate = \"1/h\"\nburst = {BURST}"),
+        "[upstreams.search]\nrate = \"1/h\"\nburst = 5000\nadaptive_k = 1\nadaptive_min_requests = 0",
+    );
+    let (a, b) = (Daemon::start(&cfg), Daemon::start(&cfg));
+    // B spends slices (its releases count as accepts in the upstream's window).
+    assert_eq!(hammer_tool(&[&b], 60, "query"), 60);
+    assert!(ways(&b).0 > 0.0, "no call spent from a slice");
+    // Through A, the upstream answers 503s (no penalty, each a rejection): its throttle now
+    // refuses about half of the calls.
+    for _ in 0..150 {
+        let f = a.post(
+            "/v1/feedback",
+            json!({"tenant": "acme", "upstream": "search", "status": 503}),
+        );
+        assert_eq!(f.status, 202, "{}", f.body);
+    }
+    let reported = std::time::Instant::now();
+    std::thread::sleep(Duration::from_millis(400).saturating_sub(reported.elapsed()));
+    // Within a slice's life B's calls are all decided on the upstream's shard, where the throttle
+    // refuses some of them.
+    let (sliced, _) = ways(&b);
+    let mut refused = 0;
+    for i in 0..40 {
+        let r = ask(&b, &format!("t{i}"), "query");
+        match r.status {
+            200 => {
+                b.release(r.body["lease_id"].as_str().unwrap());
+            }
+            429 => {
+                assert_eq!(r.body["scope"], "adaptive", "{}", r.body);
+                refused += 1;
+            }
+            other => panic!("{other}: {}", r.body),
+        }
+    }
+    assert_eq!(
+        ways(&b).0,
+        sliced,
+        "no call decided from a slice while throttled"
+    );
+    assert!(refused > 0, "the throttle refused none of 40 calls");
 }
 
 /// The node of `cluster` that holds keys of the hash tag `tag`.
@@ -424,10 +480,28 @@ fn commands(cluster: &RedisCluster) -> Vec<u64> {
 #[test]
 #[ignore = "a measurement, not a check"]
 fn commands_per_shard() {
+    measure_commands_per_shard("");
+}
+
+/// The same with every call's tool behind a `shared = true` upstream (its budget as generous as the
+/// global bucket's): a decision then spends two cross-tenant buckets on two other shards (the
+/// upstream's `{u:api}` and the global `{x}`), or neither, from slices. Admissions only: a
+/// release would report the upstream's answer on its shard, one call each.
+/// `cargo test --release --test slices -- --ignored --nocapture commands_per_shard`
+#[test]
+#[ignore = "a measurement, not a check"]
+fn commands_per_shard_with_a_shared_upstream() {
+    measure_commands_per_shard(
+        "[upstreams.api]\nrate = \"10000000/s\"\nburst = 10000000\nshared = true\n\
+         [tools.search]\nupstream = \"api\"\n",
+    );
+}
+
+fn measure_commands_per_shard(extra: &str) {
     const CALLS: u64 = 6_000;
     /// Callers at once, as the throughput workload's 64 connections.
     const CLIENTS: usize = 64;
-    let limits = include_str!("../benches/throughput.toml");
+    let limits = format!("{}{extra}", include_str!("../benches/throughput.toml"));
     let cluster = RedisCluster::start(3);
     for round in 0..4 {
         let slice = if round % 2 == 0 { "0s" } else { "100ms" };

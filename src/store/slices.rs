@@ -1,21 +1,25 @@
 //! Slices of cross-tenant buckets, so that a Redis Cluster has no hot shard.
 //!
-//! Every call that spends the global bucket would otherwise make a second script call to the one
-//! shard of `{x}`, and every decision of the fleet would meet there. Instead, each replica leases a
-//! small slice of the bucket ahead of need (the script's `slice` operation takes up to N whole
-//! tokens of the GCRA bucket, atomically, on the `{x}` shard), spends it here (an atomic allowance
-//! per bucket, in millionths of a token), and asks for the next slice in the background once half
-//! of it is spent. A slice is sized from this replica's own rate: `[store] slice` of it (bounded by [`MAX_SHARE`] of the burst), lives at most [`SLICE_LIFE`] after it was taken, and
-//! what is left of it goes back to the bucket (the script's `refund`) when it expires, when the
-//! replica stops, or never (a replica killed): then it is spent capacity that the bucket refills
-//! with its own time, as any other. The tokens a replica holds unspent are at most two slices per
-//! bucket, so what a fleet can strand is bounded by replicas × 2 × [`MAX_SHARE`] × burst.
+//! Every call that spends the global bucket (or a `shared = true` upstream's) would otherwise make
+//! a second script call to the one shard of its hash tag (`{x}`, `{u:NAME}`), and every decision
+//! of the fleet that spends it would meet there. Instead, each replica leases a small slice of the
+//! bucket ahead of need (the script's `slice` operation takes up to N whole tokens of the GCRA
+//! bucket, atomically, on the bucket's shard), spends it here (an atomic allowance per bucket, in
+//! millionths of a token), and asks for the next slice in the background once half of it is spent.
+//! A slice is sized from this replica's own rate: `[store] slice` of it (bounded by [`MAX_SHARE`]
+//! of the burst), lives at most [`SLICE_LIFE`] after it was taken ([`SHARED_LIFE`] for a shared
+//! upstream's, whose penalty and throttle it carries: see [`super::cross`]), and what is left of
+//! it goes back to the bucket (the script's `refund`) when it expires, when the replica stops, or
+//! never (a replica killed): then it is spent capacity that the bucket refills with its own time,
+//! as any other. The tokens a replica holds unspent are at most two slices per bucket, so what a
+//! fleet can strand is bounded by replicas × 2 × [`MAX_SHARE`] × burst.
 //!
 //! Exactness: a replica spends only tokens the bucket gave it, so the fleet never admits more than
 //! the bucket allows in total. What moves is when: a token is spent after the bucket gave it out
-//! (within [`SLICE_LIFE`] of the slice's last refill), so in any interval the fleet admits at most
-//! what the bucket allows in it plus what the slices held at its start. A call that finds the slice empty (the refill has not come back yet) is
-//! decided the old way, in two script calls, exactly; it is never refused for want of a slice.
+//! (within the slice's life after its last refill), so in any interval the fleet admits at most
+//! what the bucket allows in it plus what the slices held at its start. A call that finds the slice
+//! empty (the refill has not come back yet) is decided the old way, on the buckets' shards, exactly;
+//! it is never refused for want of a slice.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
