@@ -98,7 +98,7 @@ impl RedisStore {
                     StateKey::SharedUpstreamBucket(_) => SHARED_LIFE,
                     _ => SLICE_LIFE,
                 };
-                self.refill(key, slice, spec, l.burst, life);
+                self.refill(key, slice, spec, (l.t_us, l.burst), life);
             }
         }
         let way = if short { "shard" } else { "slice" };
@@ -136,8 +136,9 @@ impl RedisStore {
     }
 
     /// Takes the next slice of the bucket `key` (`spec`: the script's `slice` operation, see
-    /// [`spec::slice_spec`]) on the store's thread, giving back first what is left of an expired
-    /// one. The slice may be spent for `life` after it arrives. A shared upstream found under a
+    /// [`spec::slice_spec`]; the bucket's configured microseconds per token and burst) on the
+    /// store's thread, giving back first what is left of an expired one. The slice may be spent
+    /// for `life` after it arrives. A shared upstream found under a
     /// penalty halts the slice until the penalty ends; one whose adaptive throttle refuses calls,
     /// for `life`.
     fn refill(
@@ -145,7 +146,7 @@ impl RedisStore {
         key: String,
         slice: Arc<Slice>,
         spec: String,
-        burst: f64,
+        (configured_t_us, burst): (f64, f64),
         life: u64,
     ) {
         let me = Arc::clone(self);
@@ -167,9 +168,9 @@ impl RedisStore {
                 slice.refill_failed();
                 return;
             };
-            // The bucket's microseconds per token at its current multiplier (the configured ones
-            // for a global bucket, which answers none).
-            let t_us = t_us.unwrap_or(0.0);
+            // The microseconds per token the slice was taken at (a shared upstream's after its
+            // AIMD multiplier): what a token of it is worth when it goes back.
+            let t_us = t_us.unwrap_or(configured_t_us);
             let now = me.mono();
             let mut back = slice.refilled(
                 granted,
