@@ -32,8 +32,9 @@
 -- two expiry cursors, `x` (the instant the hash's own expiry was last pushed to) and `z` (the same
 -- for the tenant's lease set). One HMGET reads every layer of a decision and one HSET writes them.
 -- Other bucket layers (a subject's per tool, the cross-tenant ones) are hashes of their own with
--- `tat`, `p` and `x` (a shared upstream's bucket keeps a promise cursor per tenant,
--- `p:TENANT`, which the layer's `pf` names). The lease set `z` holds every lease of the tenant, scored by its end, as
+-- `tat`, `p` and `x` (a shared upstream's bucket keeps a promise cursor per tenant, `p:TENANT`,
+-- which the layer's `pf` names, and the latest of them in `p`, which its slices look at). The
+-- lease set `z` holds every lease of the tenant, scored by its end, as
 -- `ID` + the scopes it counts in (`t` tenant, `s` subject, `b` both, `-` none) + the subject, and a
 -- sentinel `~` at +inf that keeps the set from vanishing when its last lease is released: leases
 -- expire by being swept from it (their counts and their fields with them), when a count reaches
