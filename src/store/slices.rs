@@ -36,7 +36,8 @@ pub const SLICE_LIFE: Nanos = 1_000_000_000;
 /// The same for a slice of a `shared = true` upstream's bucket, which carries the upstream's
 /// penalty, AIMD multiplier and adaptive throttle as its refill read them: a replica learns of a
 /// 429 reported through another within this (and a round trip). A quarter of the shortest
-/// Retry-After (1 s), at a refill per upstream and replica at most 4 times a second when idle.
+/// Retry-After header (whole seconds) and of the default penalty (1 s), at a refill per upstream
+/// and replica at most 4 times a second when calls are few.
 pub const SHARED_LIFE: Nanos = 250_000_000;
 /// The shortest pause before a bucket that gave no slice is asked again (it may hold tokens that
 /// callers refused earlier were promised).
