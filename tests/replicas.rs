@@ -620,6 +620,96 @@ fn in_a_cluster_a_refusal_by_cross_tenant_state_gives_back_the_tenants_part() {
 }
 
 #[test]
+fn in_a_cluster_a_refusal_by_the_global_bucket_gives_back_a_shared_upstreams_part() {
+    let cluster = RedisCluster::start(3);
+    let urls = cluster.seed_urls().join(",");
+    // Without slices: the call is decided on the tenant's shard, then on the upstream's, then on
+    // the global bucket's (three shards, three tags).
+    let d = Daemon::start(&format!(
+        "[limits.global]\nrate = \"1/h\"\nburst = 3\n\
+         [upstreams.api]\nrate = \"1/h\"\nburst = 10\nshared = true\n[tools.ask]\nupstream = \"api\"\n{}",
+        store(&urls, true, "slice = \"0s\"")
+    ));
+    let ask = || json!({"tenant": "acme", "subject": "bot", "tool": "ask", "max_wait_ms": 0});
+    for _ in 0..3 {
+        assert_eq!(d.admit(ask()).status, 200);
+    }
+    // The upstream's bucket, on its own shard.
+    let key = "admitd:{u:api}:b";
+    let node = cluster
+        .nodes()
+        .iter()
+        .find(|n| n.cli(&["EXISTS", key]).trim() == "1")
+        .expect("a node holds the upstream's bucket");
+    let tat = || node.cli(&["HGET", key, "tat"]);
+    let before = tat();
+    let refused = d.admit(ask());
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.body["scope"], "global", "{}", refused.body);
+    // The upstream's part took its token, and gave it back when the global bucket refused.
+    assert_eq!(tat(), before, "the upstream's bucket is as it was");
+    let snap = d.get("/v1/tenants/acme");
+    assert_eq!(snap.body["inflight"], 3, "{}", snap.body);
+}
+
+#[test]
+fn in_a_cluster_a_shared_upstreams_429_is_kept_on_its_own_shard() {
+    let cluster = RedisCluster::start(3);
+    let urls = cluster.seed_urls().join(",");
+    let d = Daemon::start(&format!(
+        "[upstreams.api]\nrate = \"10/s\"\nburst = 10\nshared = true\n[tools.ask]\nupstream = \"api\"\n{}",
+        store(&urls, true, "")
+    ));
+    let ask = |t: &str| json!({"tenant": t, "subject": "bot", "tool": "ask", "max_wait_ms": 0});
+    let a = d.admit(ask("acme"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    let r = d.post(
+        "/v1/release",
+        json!({"lease_id": a.body["lease_id"], "outcome": "upstream_rate_limited", "retry_after": "3"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // The penalty, the cut and the probe schedule written after it live under the upstream's tag.
+    let node = cluster
+        .nodes()
+        .iter()
+        .find(|n| n.cli(&["EXISTS", "admitd:{u:api}:pen"]).trim() == "1")
+        .expect("a node holds the upstream's penalty");
+    let m: f64 = node
+        .cli(&["HGET", "admitd:{u:api}:up", "m"])
+        .parse()
+        .unwrap();
+    assert_eq!(m, 0.5);
+    assert!(
+        !node.cli(&["HGET", "admitd:{u:api}:up", "v"]).is_empty(),
+        "the probe schedule was written"
+    );
+    // Every tenant is refused, and each tenant's snapshot reads them from that shard.
+    for tenant in ["acme", "globex"] {
+        let refused = d.admit(ask(tenant));
+        assert_eq!(refused.status, 429, "{}", refused.body);
+        assert_eq!(
+            refused.body["scope"], "upstream_penalty",
+            "{}",
+            refused.body
+        );
+        let snap = d.get(&format!("/v1/tenants/{tenant}"));
+        let api = snap.body["upstreams"]
+            .as_array()
+            .and_then(|u| u.iter().find(|u| u["upstream"] == "api"))
+            .cloned()
+            .unwrap_or_else(|| panic!("{}", snap.body));
+        assert_eq!(api["multiplier"], 0.5, "{api}");
+        assert!(
+            snap.body["penalties"]
+                .as_array()
+                .is_some_and(|p| p.iter().any(|p| p["upstream"] == "api")),
+            "{}",
+            snap.body
+        );
+    }
+}
+
+#[test]
 fn redis_stopped_under_load_and_started_again_leaves_nothing_stuck() {
     let mut redis = RedisServer::start();
     let d = Daemon::start(&format!(

@@ -1,9 +1,11 @@
-//! Slices of the global bucket on a three-shard Redis Cluster (`[store] slice`): each replica leases
-//! a few tokens ahead and spends them itself, so a decision makes one script call (on its tenant's
-//! shard) instead of two. The fleet still never admits more than the bucket holds: three replicas,
-//! exact counts; a replica killed holding a slice strands at most its slices, one that stops gives
-//! them back; the shard of the bucket restarted (its state lost) does not let the slices taken
-//! before it be spent again.
+//! Slices of the global bucket and of `shared = true` upstreams' buckets on a three-shard Redis
+//! Cluster (`[store] slice`): each replica leases a few tokens ahead and spends them itself, so a
+//! decision makes one script call (on its tenant's shard) instead of one more per bucket's shard.
+//! The fleet still never admits more than the bucket holds: three replicas, exact counts; a replica
+//! killed holding a slice strands at most its slices, one that stops gives them back; the shard of
+//! the bucket restarted (its state lost) does not let the slices taken before it be spent again. A
+//! shared upstream's slice stops with a 429: at once on the replica that saw it, within a shared
+//! slice's life on the others.
 
 mod common;
 
@@ -31,6 +33,11 @@ fn config(urls: &str) -> String {
 /// `calls` admissions spread over `daemons` by 12 threads, over 30 tenants (so that they spread over
 /// the shards); returns how many were admitted. A 503 (the store not answering) is retried.
 fn hammer(daemons: &[&Daemon], calls: u64) -> u64 {
+    hammer_tool(daemons, calls, "search")
+}
+
+/// [`hammer`] with calls of `tool`.
+fn hammer_tool(daemons: &[&Daemon], calls: u64, tool: &str) -> u64 {
     let admitted = AtomicU64::new(0);
     let next = AtomicU64::new(0);
     std::thread::scope(|s| {
@@ -43,7 +50,7 @@ fn hammer(daemons: &[&Daemon], calls: u64) -> u64 {
                 }
                 let d = daemons[k as usize % daemons.len()];
                 let body = json!({"tenant": format!("t{}", k % 30), "subject": "s",
-                    "tool": "search", "max_wait_ms": 0});
+                    "tool": tool, "max_wait_ms": 0});
                 let a = d.admit(body);
                 match a.status {
                     200 => {
@@ -66,13 +73,17 @@ fn hammer(daemons: &[&Daemon], calls: u64) -> u64 {
 /// Stops `daemons` (SIGTERM: each gives back what its slices hold) and admits what the bucket has
 /// left through a fresh replica that takes no slices; returns how many it admitted.
 fn finish(cluster: &RedisCluster, daemons: Vec<Daemon>) -> u64 {
+    finish_with(daemons, &config(&cluster.url()), "search")
+}
+
+/// [`finish`] for the replicas of `cfg`, calling `tool`.
+fn finish_with(daemons: Vec<Daemon>, cfg: &str, tool: &str) -> u64 {
     for mut d in daemons {
         d.signal("TERM");
         let _ = d.child.wait();
     }
-    let fresh =
-        Daemon::start(&config(&cluster.url()).replace("slice = \"100ms\"", "slice = \"0s\""));
-    hammer(&[&fresh], 2 * BURST)
+    let fresh = Daemon::start(&cfg.replace("slice = \"100ms\"", "slice = \"0s\""));
+    hammer_tool(&[&fresh], 2 * BURST, tool)
 }
 
 /// Script calls each node has run so far.
@@ -212,6 +223,230 @@ fn the_buckets_shard_restarted_does_not_spend_slices_taken_before() {
     );
 }
 
+/// A `shared = true` upstream's bucket of 300 (refilling one an hour) behind the tool `query`, and a
+/// second shared upstream behind `mail`; no global bucket.
+fn shared_config(urls: &str) -> String {
+    format!(
+        "[limits.subject]\nrate = \"100000/s\"\nburst = 100000\n\
+         [limits.tenant]\nrate = \"100000/s\"\nburst = 100000\n\
+         [upstreams.search]\nrate = \"1/h\"\nburst = {BURST}\nshared = true\n\
+         [upstreams.mail]\nrate = \"1/h\"\nburst = {BURST}\nshared = true\n\
+         [tools.query]\nupstream = \"search\"\n[tools.send]\nupstream = \"mail\"\n\
+         [store]\nkind = \"redis\"\nurl = \"{urls}\"\ncluster = true\ntimeout = \"500ms\"\nslice = \"100ms\"\n"
+    )
+}
+
+/// The cluster decisions of `d` spending cross-tenant buckets from slices (`slice`) and on their
+/// shards (`shard`).
+fn ways(d: &Daemon) -> (f64, f64) {
+    let m = d.get("/metrics").body;
+    let m = m.as_str().unwrap_or_default();
+    let way = |w: &str| {
+        common::metric(
+            m,
+            &format!("admitd_store_global_decisions_total{{way=\"{w}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    (way("slice"), way("shard"))
+}
+
+#[test]
+fn three_replicas_spending_slices_never_admit_more_than_a_shared_upstreams_bucket() {
+    let cluster = RedisCluster::start(3);
+    let cfg = shared_config(&cluster.url());
+    let daemons: Vec<Daemon> = (0..3).map(|_| Daemon::start(&cfg)).collect();
+    let all: Vec<&Daemon> = daemons.iter().collect();
+    assert_eq!(hammer_tool(&all, 50, "query"), 50);
+    assert_eq!(hammer_tool(&all, 120, "query"), 120);
+    let (slice, shard) = ways(&daemons[0]);
+    assert!(slice > shard, "from slices {slice}, on the shard {shard}");
+    let first = 170 + hammer_tool(&all, 900, "query");
+    assert!(first <= BURST, "{first} admitted past a bucket of {BURST}");
+    assert!(
+        first + 3 * STRANDED_PER_REPLICA >= BURST,
+        "{first} admitted: more stranded than the slices can hold"
+    );
+    let total = first + finish_with(daemons, &cfg, "query");
+    println!(
+        "shared upstream: {first} admitted by the fleet, {total} with what came back, of {BURST}"
+    );
+    assert_eq!(total, BURST, "every token of the bucket is admitted once");
+}
+
+/// One call of `tool` for `tenant` on `d`.
+fn ask(d: &Daemon, tenant: &str, tool: &str) -> common::Answer {
+    d.admit(json!({"tenant": tenant, "subject": "s", "tool": tool, "max_wait_ms": 0}))
+}
+
+#[test]
+fn a_429_through_one_replica_stops_a_shared_upstream_on_another_within_a_slices_life() {
+    let cluster = RedisCluster::start(3);
+    let cfg = shared_config(&cluster.url()).replace(
+        &format!("[upstreams.search]\nrate = \"1/h\"\nburst = {BURST}"),
+        "[upstreams.search]\nrate = \"1/h\"\nburst = 5000",
+    );
+    let (a, b) = (Daemon::start(&cfg), Daemon::start(&cfg));
+    // Both replicas spend slices of the upstream's bucket.
+    for d in [&a, &b] {
+        assert_eq!(hammer_tool(&[d], 60, "query"), 60);
+        let (slice, _) = ways(d);
+        assert!(slice > 0.0, "no call spent from a slice");
+    }
+    // B holds a slice: its calls are decided from it (one that finds it expired asks for the
+    // next).
+    let from_slice = (0..50).any(|_| {
+        let (before, _) = ways(&b);
+        let held = ask(&b, "acme", "query");
+        assert_eq!(held.status, 200, "{}", held.body);
+        b.release(held.body["lease_id"].as_str().unwrap());
+        ways(&b).0 > before
+    });
+    assert!(from_slice, "B decided no call from its slice");
+    // A's call meets a 429 with Retry-After: 5 s.
+    let l = ask(&a, "acme", "query");
+    assert_eq!(l.status, 200, "{}", l.body);
+    let r = a.post(
+        "/v1/release",
+        json!({"lease_id": l.body["lease_id"], "outcome": "upstream_rate_limited", "retry_after": "5"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let reported = std::time::Instant::now();
+    // A stops at once, whatever its slice held; every tenant is paused.
+    for tenant in ["acme", "globex"] {
+        let r = ask(&a, tenant, "query");
+        assert_eq!(r.status, 429, "A, {tenant}: {}", r.body);
+        assert_eq!(r.body["scope"], "upstream_penalty", "{}", r.body);
+    }
+    // B stops within its slice's life (250 ms) and a round trip: its calls are decided on the
+    // upstream's shard, none from a slice, while the penalty runs.
+    std::thread::sleep(Duration::from_millis(400).saturating_sub(reported.elapsed()));
+    let (sliced, _) = ways(&b);
+    for tenant in ["acme", "globex", "initech"] {
+        let r = ask(&b, tenant, "query");
+        assert_eq!(r.status, 429, "B, {tenant}: {}", r.body);
+        assert_eq!(r.body["scope"], "upstream_penalty", "{}", r.body);
+    }
+    assert_eq!(
+        ways(&b).0,
+        sliced,
+        "no call decided from a slice under the penalty"
+    );
+    // The other shared upstream is not paused, and still decided from B's slices.
+    let (before, _) = ways(&b);
+    assert_eq!(hammer_tool(&[&b], 30, "send"), 30);
+    assert!(ways(&b).0 > before);
+}
+
+#[test]
+fn a_throttled_shared_upstream_is_decided_on_its_shard_within_a_slices_life() {
+    let cluster = RedisCluster::start(3);
+    let cfg = shared_config(&cluster.url()).replace(
+        &format!("[upstreams.search]\nrate = \"1/h\"\nburst = {BURST}"),
+        "[upstreams.search]\nrate = \"1/h\"\nburst = 5000\nadaptive_k = 1\nadaptive_min_requests = 0",
+    );
+    let (a, b) = (Daemon::start(&cfg), Daemon::start(&cfg));
+    // B spends slices (its releases count as accepts in the upstream's window).
+    assert_eq!(hammer_tool(&[&b], 60, "query"), 60);
+    assert!(ways(&b).0 > 0.0, "no call spent from a slice");
+    // Through A, the upstream answers 503s (no penalty, each a rejection): its throttle now
+    // refuses about half of the calls.
+    for _ in 0..150 {
+        let f = a.post(
+            "/v1/feedback",
+            json!({"tenant": "acme", "upstream": "search", "status": 503}),
+        );
+        assert_eq!(f.status, 202, "{}", f.body);
+    }
+    let reported = std::time::Instant::now();
+    std::thread::sleep(Duration::from_millis(400).saturating_sub(reported.elapsed()));
+    // Within a slice's life B's calls are all decided on the upstream's shard, where the throttle
+    // refuses some of them.
+    let (sliced, _) = ways(&b);
+    let mut refused = 0;
+    for i in 0..40 {
+        let r = ask(&b, &format!("t{i}"), "query");
+        match r.status {
+            200 => {
+                b.release(r.body["lease_id"].as_str().unwrap());
+            }
+            429 => {
+                assert_eq!(r.body["scope"], "adaptive", "{}", r.body);
+                refused += 1;
+            }
+            other => panic!("{other}: {}", r.body),
+        }
+    }
+    assert_eq!(
+        ways(&b).0,
+        sliced,
+        "no call decided from a slice while throttled"
+    );
+    assert!(refused > 0, "the throttle refused none of 40 calls");
+}
+
+/// The node of `cluster` that holds keys of the hash tag `tag`.
+fn node_of(cluster: &RedisCluster, tag: &str) -> usize {
+    let pattern = format!("*{{{tag}}}*");
+    let holders: Vec<usize> = (0..cluster.nodes().len())
+        .filter(|&i| {
+            !cluster.nodes()[i]
+                .cli(&["KEYS", &pattern])
+                .trim()
+                .is_empty()
+        })
+        .collect();
+    assert_eq!(holders.len(), 1, "{tag} on nodes {holders:?}");
+    holders[0]
+}
+
+#[test]
+fn two_shared_upstreams_live_under_tags_of_their_own_and_spread_over_the_shards() {
+    let cluster = RedisCluster::start(3);
+    // Without slices: every call visits its upstream's shard, which shows where its work goes.
+    let cfg = shared_config(&cluster.url()).replace("slice = \"100ms\"", "slice = \"0s\"");
+    let d = Daemon::start(&cfg);
+    // One tenant (`hooli`, in the third of the slots neither upstream's tag is in), one caller.
+    let run = |tool: &str, n: usize| {
+        for _ in 0..n {
+            let a = ask(&d, "hooli", tool);
+            assert_eq!(a.status, 200, "{}", a.body);
+            d.release(a.body["lease_id"].as_str().unwrap());
+        }
+    };
+    run("query", 5);
+    run("send", 5);
+    let (search, mail, tenant) = (
+        node_of(&cluster, "u:search"),
+        node_of(&cluster, "u:mail"),
+        node_of(&cluster, "t:hooli"),
+    );
+    assert!(
+        search != mail && mail != tenant && search != tenant,
+        "search on {search}, mail on {mail}, the tenant on {tenant}"
+    );
+    for node in cluster.nodes() {
+        // Only the (default) global bucket lives under `{x}`.
+        let x = node.cli(&["KEYS", "*{x}*"]);
+        assert!(
+            x.lines()
+                .all(|k| k.trim().is_empty() || k.trim() == "admitd:{x}:b:g"),
+            "an upstream's key under {{x}}: {x}"
+        );
+    }
+    // Each upstream's calls make their script calls on its own shard.
+    for (tool, here, there) in [("query", search, mail), ("send", mail, search)] {
+        let before = script_calls(&cluster);
+        run(tool, 40);
+        let after = script_calls(&cluster);
+        let grew: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        println!("40 calls of {tool}: script calls by node {grew:?}");
+        // A decision and a release's report each, on the upstream's shard; none on the other's.
+        assert!(grew[here] >= 80, "{tool}: {grew:?}");
+        assert!(grew[there] < 5, "{tool}: {grew:?}");
+    }
+}
+
 /// Every command each node has run so far (the script's inner commands and the script calls
 /// themselves), leaving out what the test and the cluster's own upkeep send.
 fn commands(cluster: &RedisCluster) -> Vec<u64> {
@@ -245,10 +480,28 @@ fn commands(cluster: &RedisCluster) -> Vec<u64> {
 #[test]
 #[ignore = "a measurement, not a check"]
 fn commands_per_shard() {
+    measure_commands_per_shard("");
+}
+
+/// The same with every call's tool behind a `shared = true` upstream (its budget as generous as the
+/// global bucket's): a decision then spends two cross-tenant buckets on two other shards (the
+/// upstream's `{u:api}` and the global `{x}`), or neither, from slices. Admissions only: a
+/// release would report the upstream's answer on its shard, one call each.
+/// `cargo test --release --test slices -- --ignored --nocapture commands_per_shard`
+#[test]
+#[ignore = "a measurement, not a check"]
+fn commands_per_shard_with_a_shared_upstream() {
+    measure_commands_per_shard(
+        "[upstreams.api]\nrate = \"10000000/s\"\nburst = 10000000\nshared = true\n\
+         [tools.search]\nupstream = \"api\"\n",
+    );
+}
+
+fn measure_commands_per_shard(extra: &str) {
     const CALLS: u64 = 6_000;
     /// Callers at once, as the throughput workload's 64 connections.
     const CLIENTS: usize = 64;
-    let limits = include_str!("../benches/throughput.toml");
+    let limits = format!("{}{extra}", include_str!("../benches/throughput.toml"));
     let cluster = RedisCluster::start(3);
     for round in 0..4 {
         let slice = if round % 2 == 0 { "0s" } else { "100ms" };

@@ -396,6 +396,19 @@ fn one_tenants_promises_on_a_shared_upstream_do_not_book_anothers_wait(redis: bo
         last = r.body["retry_after_ms"].as_u64().unwrap();
     }
     assert!(last >= 6_000, "the twentieth promise at 2/s: {last} ms");
+    if let Some(redis) = &s._redis {
+        // The bucket keeps each tenant's cursor, and the latest of them where a slice of it (a
+        // cluster's) looks before it takes tokens.
+        let fields = redis.cli(&["HGETALL", "admitd:{u:stripe}:b"]);
+        let f: Vec<&str> = fields.lines().collect();
+        let field = |name: &str| {
+            f.chunks(2)
+                .find(|kv| kv[0] == name)
+                .and_then(|kv| kv[1].parse::<f64>().ok())
+        };
+        let tenant = field("p:initech").unwrap_or_else(|| panic!("{fields}"));
+        assert_eq!(field("p"), Some(tenant), "{fields}");
+    }
     let wait = |t: &str| json!({"tenant": t, "subject": "bot", "tool": "pay", "max_wait_ms": 1000});
     let held = d.admit(wait("acme"));
     assert_eq!(

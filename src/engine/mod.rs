@@ -33,7 +33,7 @@ mod durable_tests;
 #[cfg(test)]
 mod spend_tests;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 #[cfg(test)]
 mod tests;
 

@@ -32,8 +32,9 @@
 -- two expiry cursors, `x` (the instant the hash's own expiry was last pushed to) and `z` (the same
 -- for the tenant's lease set). One HMGET reads every layer of a decision and one HSET writes them.
 -- Other bucket layers (a subject's per tool, the cross-tenant ones) are hashes of their own with
--- `tat`, `p` and `x` (a shared upstream's bucket keeps a promise cursor per tenant,
--- `p:TENANT`, which the layer's `pf` names). The lease set `z` holds every lease of the tenant, scored by its end, as
+-- `tat`, `p` and `x` (a shared upstream's bucket keeps a promise cursor per tenant, `p:TENANT`,
+-- which the layer's `pf` names, and the latest of them in `p`, which its slices look at). The
+-- lease set `z` holds every lease of the tenant, scored by its end, as
 -- `ID` + the scopes it counts in (`t` tenant, `s` subject, `b` both, `-` none) + the subject, and a
 -- sentinel `~` at +inf that keeps the set from vanishing when its last lease is released: leases
 -- expire by being swept from it (their counts and their fields with them), when a count reaches
@@ -420,6 +421,17 @@ local function promise(a, o)
   return p
 end
 
+-- Writes the promise cursor of the layer at `o`. A shared upstream's bucket keeps one per tenant
+-- (`p:TENANT`) and the latest of them in `p`, which its slices look at (`op_slice`).
+local function put_promise(a, o, cursor)
+  local k, f = a[o], a[o + 2]
+  hput(k, f, cursor)
+  if sub(f, 1, 2) == 'p:' then
+    load(k, {'p'})
+    if cursor > hnum(k, 'p', 0) then hput(k, 'p', cursor) end
+  end
+end
+
 -- Appends to `r` each layer's whole tokens left and microseconds until full (`taken`: after this
 -- call took its tokens), as numbers: Redis answers a Lua number as an integer without formatting
 -- it (every instant here is whole microseconds).
@@ -733,7 +745,7 @@ local function op_decide()
     if pen.layer > 0 then
       local o = FIRST + (pen.layer - 1) * LW
       local cursor, w = promise_at(promise(a, o), a[o + 13], untl, a[o + 12], a[o + 11])
-      hput(a[o], a[o + 2], cursor)
+      put_promise(a, o, cursor)
       keep(a[o], max(cursor, a[o + 13], untl) + GRACE)
       wait = w
     else
@@ -863,7 +875,7 @@ local function op_decide()
       -- count too, so the hint covers the whole path.
       local cursor, wait, booked = promise_at(p, tat, 0, a[o + 12], tau)
       if booked == 0 then
-        hput(a[o], a[o + 2], cursor)
+        put_promise(a, o, cursor)
         keep(a[o], max(cursor, tat) + GRACE)
       end
       for j = o + LW, layer_end - 1, LW do wait = max(wait, a[j + 15]) end
@@ -905,6 +917,11 @@ local function op_decide()
   local r = layer_report(a, {'ok', hold == 0 and '0' or fmt(hold)}, true)
   for _, u in ipairs(spend) do
     for _, b in ipairs(u.b) do r[#r + 1] = fmt(b.left) end
+  end
+  if not own then
+    -- A cross-tenant part of a cluster's call (no spend budget: those are the tenant's): what each
+    -- layer took, which admitd gives back when another shard refuses the call.
+    for o = FIRST, layer_end - 1, LW do r[#r + 1] = a[o + 12] end
   end
   if own then
     for c = conc0, conc_end - 1, CW do hput(h, a[c], a[c + 4] + 1) end
@@ -1288,21 +1305,38 @@ end
 -- A slice of a cross-tenant bucket for one replica to spend itself: up to `n` whole tokens the
 -- bucket holds now (never tokens a call would wait for, so a slice holds no one up), taken at once;
 -- none while callers refused earlier hold promises on the bucket (its tokens are theirs as they
--- free). spec {k, T, b, n}. Answers the tokens taken, and the bucket's whole tokens left and
--- microseconds until full after it.
+-- free: a shared upstream's bucket, whose promises are per tenant, keeps the latest in `p` too).
+-- spec {k, T, b, n}; for a shared upstream's bucket also what else decides its calls: `m` its state
+-- key (the slice is taken at the rate after its AIMD multiplier, as `read_layers` applies it, with
+-- `forget` and `pl`), `pk` its penalty key and `a` its adaptive window (`aw`, `K`, `min`): none is
+-- taken while the penalty runs or the throttle would refuse any share of calls. Answers the tokens
+-- taken, the bucket's whole tokens left and microseconds until full after it, the penalty's
+-- microseconds left, the throttle's refusal probability and the microseconds per token it was
+-- taken at.
 local function op_slice()
   local T, b = spec.T, spec.b
+  if spec.m then T = T / multiplier(spec.m, spec.forget, spec.pl) end
+  local wait, prob = 0, 0
+  if spec.pk then
+    local untl = num(redis.call('HGET', spec.pk, 'until'), 0)
+    if untl > now then wait = untl - now end
+  end
+  if spec.a and spec.aw > 0 then
+    local req, acc = sre_totals(spec.a, spec.aw)
+    prob = reject_probability(req, acc, spec.K, spec.min or 0)
+  end
   load(spec.k, {'tat', 'p'})
   local s = {tat = num(hget(spec.k, 'tat'), 0), p = num(hget(spec.k, 'p'), 0)}
   local free = math.floor((now + b * T - math.max(s.tat, now)) / T + 1e-9)
-  if cursor_live(s.p, s.tat, b * T, 0) then free = 0 end
+  if cursor_live(s.p, s.tat, b * T, 0) or wait > 0 or prob > 0 then free = 0 end
   local g = math.max(math.min(math.floor(spec.n), free), 0)
   local tat = s.tat
   if g > 0 then
     tat = math.max(s.tat, now) + math.ceil(g * T)
     write_bucket({k = spec.k, fp = ''}, math.max(tat, s.p) + GRACE, 'tat', fmt(tat))
   end
-  return {'ok', tostring(g), tostring(whole_tokens(b, T, tat)), fmt(math.max(tat - now, 0))}
+  return {'ok', tostring(g), tostring(whole_tokens(b, T, tat)), fmt(math.max(tat - now, 0)), fmt(wait),
+    tostring(prob), fmt(T)}
 end
 
 local ops = {decide = op_decide, release = op_release, upstream = op_upstream, refund = op_refund,

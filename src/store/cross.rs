@@ -1,6 +1,14 @@
-//! Decisions that spend the global bucket on a Redis Cluster, from this replica's slice of it (see
-//! [`super::slices`]): one script call on the tenant's shard instead of two, the second on the one
-//! shard every decision of the fleet would meet on.
+//! Decisions that spend cross-tenant buckets on a Redis Cluster (the global buckets, `shared = true`
+//! upstreams' buckets) from this replica's slices of them (see [`super::slices`]): one script call
+//! on the tenant's shard instead of one more per bucket's shard, where every decision of the fleet
+//! that spends the bucket would meet.
+//!
+//! A shared upstream's slice also carries what else decides the upstream's calls, as its refill
+//! read it on the upstream's shard: the slice is taken at the bucket's rate after any AIMD cut, and
+//! none is taken (what the slice holds goes back) while the upstream is under a penalty or its
+//! adaptive throttle refuses any share of calls; its calls are then decided on the shard, exactly.
+//! A 429 reported through this replica halts the slice at once; other replicas learn of it at
+//! their next refill, within [`SHARED_LIFE`] (a shared upstream's slice is spent no longer).
 
 use std::sync::Arc;
 
@@ -8,11 +16,11 @@ use serde_json::json;
 
 use super::error::StoreError;
 use super::redis::RedisStore;
-use super::slices::{Slice, Spent};
+use super::slices::{Slice, Spent, SHARED_LIFE, SLICE_LIFE};
 use super::spec::{self, parse_decide, strings, CrossLayer, Part};
 use crate::engine::{RemoteAnswer, RemoteCall, StateKey};
 
-/// A global layer of a call spent from this replica's slice.
+/// A cross-tenant layer of a call spent from this replica's slice.
 struct Taken {
     layer: usize,
     slice: Arc<Slice>,
@@ -23,21 +31,37 @@ struct Taken {
 
 impl RedisStore {
     /// Whether `call` may be decided from slices: on a cluster with slicing on, its cross-tenant
-    /// state is global buckets only (a shared upstream's bucket, penalty and adaptive window are
-    /// still decided on their shard).
+    /// state is global buckets and shared upstreams' buckets, and each shared upstream's penalty
+    /// and adaptive throttle are those of an upstream whose bucket the call spends (the slice
+    /// carries them). A shared upstream without a budget is decided on its shard.
     fn sliceable(&self, call: &RemoteCall) -> bool {
-        !self.cfg.slice.is_zero()
-            && call
-                .layers
+        let has_bucket = |u: &str| {
+            call.layers
                 .iter()
-                .all(|l| !l.key.cross_tenant() || matches!(l.key, StateKey::GlobalBucket(_)))
-            && call.penalties.iter().all(|p| !p.key.cross_tenant())
-            && call.adaptive.iter().all(|a| !a.key.cross_tenant())
+                .any(|l| matches!(&l.key, StateKey::SharedUpstreamBucket(b) if &**b == u))
+        };
+        !self.cfg.slice.is_zero()
+            && call.layers.iter().all(|l| {
+                !l.key.cross_tenant()
+                    || matches!(
+                        l.key,
+                        StateKey::GlobalBucket(_) | StateKey::SharedUpstreamBucket(_)
+                    )
+            })
+            && call.penalties.iter().all(|p| match &p.key {
+                StateKey::Penalty(u, true) => has_bucket(u),
+                _ => true,
+            })
+            && call.adaptive.iter().all(|a| match &a.key {
+                StateKey::UpstreamState(u, true) => has_bucket(u),
+                _ => true,
+            })
     }
 
-    /// Decides `call` with its global layers spent from this replica's slices and the rest on the
-    /// tenant's shard, in one script call. `None` when a slice does not hold the call's tokens (the
-    /// caller decides it the old way); each slice short of half its size is refilled meanwhile.
+    /// Decides `call` with its cross-tenant layers spent from this replica's slices and the rest on
+    /// the tenant's shard, in one script call. `None` when a slice does not hold the call's tokens,
+    /// or knows its upstream under a penalty or throttled (the caller decides it the old way); each
+    /// slice short of half its size is refilled meanwhile.
     pub(super) async fn decide_sliced(
         self: &Arc<Self>,
         tenant: &Arc<str>,
@@ -69,7 +93,12 @@ impl RedisStore {
                 }
             }
             if let Some(size) = slice.wants_refill(l.tokens, l.burst, span, now) {
-                self.refill(key, slice, size, l.t_us, l.burst);
+                let spec = spec::slice_spec(&self.keys, tenant, call, i, size);
+                let life = match l.key {
+                    StateKey::SharedUpstreamBucket(_) => SHARED_LIFE,
+                    _ => SLICE_LIFE,
+                };
+                self.refill(key, slice, spec, (l.t_us, l.burst), life);
             }
         }
         let way = if short { "shard" } else { "slice" };
@@ -87,7 +116,7 @@ impl RedisStore {
             &p.map,
             n,
         );
-        // The global layers' figures are the slices', whatever the tenant's shard answered.
+        // The cross-tenant layers' figures are the slices', whatever the tenant's shard answered.
         if let Ok(RemoteAnswer::Admitted { layers, .. } | RemoteAnswer::Refused { layers, .. }) =
             &mut answer
         {
@@ -106,35 +135,99 @@ impl RedisStore {
         Some(answer)
     }
 
-    /// Takes the next slice of the bucket `key` (`size` whole tokens at most) on the store's
-    /// thread, giving back first what is left of an expired one.
-    fn refill(self: &Arc<Self>, key: String, slice: Arc<Slice>, size: f64, t_us: f64, burst: f64) {
+    /// Takes the next slice of the bucket `key` (`spec`: the script's `slice` operation, see
+    /// [`spec::slice_spec`]; the bucket's configured microseconds per token and burst) on the
+    /// store's thread, giving back first what is left of an expired one. The slice may be spent
+    /// for `life` after it arrives. A shared upstream found under a
+    /// penalty halts the slice until the penalty ends; one whose adaptive throttle refuses calls,
+    /// for `life`.
+    fn refill(
+        self: &Arc<Self>,
+        key: String,
+        slice: Arc<Slice>,
+        spec: String,
+        (configured_t_us, burst): (f64, f64),
+        life: u64,
+    ) {
         let me = Arc::clone(self);
         self.runtime.spawn(async move {
             let back = slice.take_expired(me.mono());
             if back > 0.0 {
+                let t_us = slice.t_us();
                 me.give_back(&key, back, t_us).await;
             }
-            let spec = json!({"k": key, "T": t_us, "b": burst, "n": size}).to_string();
+            let asked = slice.epoch();
             let got = me.invoke(&key, "slice", spec, String::new()).await;
             let parsed = got.and_then(strings).ok().and_then(|v| {
                 let num = |i: usize| v.get(i).and_then(|s| s.parse::<f64>().ok());
                 (v.first().map(String::as_str) == Some("ok"))
-                    .then(|| Some((num(1)?, num(2)?, num(3)?)))
+                    .then(|| Some((num(1)?, num(2)?, num(3)?, num(4), num(5), num(6))))
                     .flatten()
             });
-            match parsed {
-                Some((granted, left, reset_us)) => {
-                    slice.refilled(granted, (t_us, burst), (left as u64, reset_us), me.mono());
-                }
-                None => slice.refill_failed(),
+            let Some((granted, left, reset_us, penalty_us, throttle, t_us)) = parsed else {
+                slice.refill_failed();
+                return;
+            };
+            // The microseconds per token the slice was taken at (a shared upstream's after its
+            // AIMD multiplier): what a token of it is worth when it goes back.
+            let t_us = t_us.unwrap_or(configured_t_us);
+            let now = me.mono();
+            let mut back = slice.refilled(
+                granted,
+                (t_us, burst),
+                (left as u64, reset_us),
+                now,
+                life,
+                asked,
+            );
+            let penalty_us = penalty_us.unwrap_or(0.0);
+            if penalty_us > 0.0 || throttle.unwrap_or(0.0) > 0.0 {
+                let until = if penalty_us > 0.0 {
+                    now.saturating_add((penalty_us * 1e3) as u64)
+                } else {
+                    now.saturating_add(life)
+                };
+                back += slice.halt(until).0;
+            }
+            if back > 0.0 {
+                me.give_back(&key, back, t_us).await;
             }
         });
     }
 
+    /// A 429 of the shared upstream `upstream` reported through this replica (its penalty
+    /// `penalty_us` long): its slice is halted at once and what it held goes back to the bucket.
+    pub(super) async fn halt_shared(
+        self: &Arc<Self>,
+        tenant: &str,
+        upstream: &str,
+        penalty_us: f64,
+    ) {
+        if !self.cfg.cluster || self.cfg.slice.is_zero() {
+            return;
+        }
+        let key = self
+            .keys
+            .key(tenant, &StateKey::SharedUpstreamBucket(Arc::from(upstream)));
+        let Some(slice) = self.slices.peek(&key) else {
+            return;
+        };
+        let until = self
+            .mono()
+            .saturating_add((penalty_us.max(0.0) * 1e3) as u64);
+        let (back, t_us) = slice.halt(until);
+        if back > 0.0 {
+            self.give_back(&key, back, t_us).await;
+        }
+    }
+
     /// Gives `tokens` back to the bucket `key` (whose token is `t_us` microseconds).
     async fn give_back(self: &Arc<Self>, key: &str, tokens: f64, t_us: f64) {
-        let us = (tokens * t_us).floor();
+        self.give_back_us(key, (tokens * t_us).floor()).await;
+    }
+
+    /// Gives `us` microseconds of tokens back to the cross-tenant bucket `key`.
+    pub(super) async fn give_back_us(self: &Arc<Self>, key: &str, us: f64) {
         if us <= 0.0 {
             return;
         }
@@ -147,7 +240,7 @@ impl RedisStore {
     /// release settled its tenant's layers and answered `admitted`, the admission's cost, and
     /// `layers`, those it could not reach: on shards of their own). As there, the difference goes
     /// back to each bucket, or is charged on top, in proportion to what the call took, at the
-    /// bucket's configured rate. A global bucket spent from slices settles in this replica's slice
+    /// bucket's configured rate. A bucket spent from slices settles in this replica's slice
     /// when it can, without a script call: a give-back while the slice may still be spent (the
     /// tokens are the bucket's either way; what the slice holds goes back when it expires), a charge
     /// while the slice holds it (spent capacity as any call's); else on the bucket's shard.
@@ -163,9 +256,9 @@ impl RedisStore {
             return;
         }
         let now = self.mono();
-        for CrossLayer(key, tokens, t_us, global) in &layers {
+        for CrossLayer(key, tokens, t_us, sliced) in &layers {
             let tokens = tokens * share.abs();
-            if *global && !self.cfg.slice.is_zero() {
+            if *sliced && !self.cfg.slice.is_zero() {
                 let slice = self.slices.get(key);
                 let settled = if share < 0.0 {
                     slice.give_back(tokens, now)

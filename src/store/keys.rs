@@ -2,11 +2,13 @@
 //!
 //! Every key of one tenant carries the tenant as a Redis Cluster hash tag (`{t:NAME}`), so one call's
 //! script runs on the one shard that holds all of that tenant's state. State shared by every tenant
-//! (the global buckets and `shared = true` upstreams) lives under one tag of its own (`{x}`): in a
-//! cluster a call that spends it takes a second round trip to that shard (see
-//! [`super::redis::RedisStore::decide`]). Names are the tenant's, subject's, tool's and upstream's as
-//! sent: they contain no control characters, and where two of them meet the first is length-prefixed,
-//! so no two states share a key.
+//! lives under tags of its own: the global buckets under `{x}`, and each `shared = true` upstream's
+//! bucket, penalty and AIMD / adaptive / probe state under the upstream's own tag (`{u:NAME}`), so
+//! that different shared upstreams spread over the shards of a cluster. In a cluster a call that
+//! spends such state reaches its shard from this replica's slices or in a round trip of its own
+//! (see [`super::redis::RedisStore::decide`]). Names are the tenant's, subject's, tool's and
+//! upstream's as sent: they contain no control characters, and where two of them meet the first is
+//! length-prefixed, so no two states share a key.
 
 use crate::engine::StateKey;
 
@@ -36,9 +38,20 @@ impl Keys {
         cat(&[&self.prefix, "~{", hash_tag(key), "}"])
     }
 
-    /// The part every cross-tenant key starts with.
+    /// The part every key of the hash tag `tag` starts with (routes an operation to its shard).
+    pub fn tag_base(&self, tag: &str) -> String {
+        cat(&[&self.prefix, ":{", tag, "}"])
+    }
+
+    /// The part every global bucket's key starts with.
     pub fn cross_base(&self) -> String {
         cat(&[&self.prefix, ":{x}"])
+    }
+
+    /// The part every key of the `shared = true` upstream `upstream` starts with: its bucket, its
+    /// penalty and its state (AIMD multiplier, adaptive window, probe schedule) share this tag.
+    pub fn upstream_base(&self, upstream: &str) -> String {
+        cat(&[&self.prefix, ":{u:", upstream, "}"])
     }
 
     /// The tenant's hash: its own bucket layers (tenant, subjects, per-tenant upstreams), the counts
@@ -87,6 +100,7 @@ impl Keys {
         };
         let t = |rest: &[&str]| joined(&[p, ":{t:", tenant, "}"], rest);
         let x = |rest: &[&str]| joined(&[p, ":{x}"], rest);
+        let u = |name: &str, rest: &str| joined(&[p, ":{u:", name, "}"], &[rest]);
         match k {
             StateKey::SubjectBucket(s) => t(&[":b:s:", s]),
             StateKey::SubjectToolBucket(s, tool) => {
@@ -94,7 +108,7 @@ impl Keys {
             }
             StateKey::TenantBucket => t(&[":b:t"]),
             StateKey::UpstreamBucket(u) => t(&[":b:u:", u]),
-            StateKey::SharedUpstreamBucket(u) => x(&[":b:u:", u]),
+            StateKey::SharedUpstreamBucket(name) => u(name, ":b"),
             StateKey::GlobalBucket(None) => x(&[":b:g"]),
             StateKey::GlobalBucket(Some(plan)) => x(&[":b:g:", plan]),
             StateKey::SubjectSlots(s) => t(&[":c:s:", s]),
@@ -102,9 +116,9 @@ impl Keys {
             StateKey::SubjectQuota(s) => t(&[":q:s:", s]),
             StateKey::TenantQuota => t(&[":q:t"]),
             StateKey::Penalty(u, false) => t(&[":pen:", u]),
-            StateKey::Penalty(u, true) => x(&[":pen:", u]),
+            StateKey::Penalty(name, true) => u(name, ":pen"),
             StateKey::UpstreamState(u, false) => t(&[":up:", u]),
-            StateKey::UpstreamState(u, true) => x(&[":up:", u]),
+            StateKey::UpstreamState(name, true) => u(name, ":up"),
             StateKey::Lease(id) => t(&[":l:", hex16(*id).as_str()]),
             StateKey::RunTimes => t(&[":rt"]),
             StateKey::SubjectIndex => t(&[":subjects"]),
@@ -193,17 +207,39 @@ mod tests {
             assert!(!key.cross_tenant(), "{key:?}");
             assert_eq!(hash_tag(&k.key("acme", key)), "t:acme", "{key:?}");
         }
-        let cross = [
-            StateKey::SharedUpstreamBucket(u.clone()),
+        for key in [
             StateKey::GlobalBucket(None),
             StateKey::GlobalBucket(Some(Arc::from("free"))),
-            StateKey::Penalty(u.clone(), true),
-            StateKey::UpstreamState(u, true),
-        ];
-        for key in &cross {
+        ] {
             assert!(key.cross_tenant(), "{key:?}");
-            assert_eq!(hash_tag(&k.key("acme", key)), "x", "{key:?}");
+            assert_eq!(hash_tag(&k.key("acme", &key)), "x", "{key:?}");
         }
+        // Each shared upstream's state under a tag of its own, whichever tenant's call names it.
+        for name in ["crm", "search"] {
+            let u: Arc<str> = Arc::from(name);
+            for key in [
+                StateKey::SharedUpstreamBucket(u.clone()),
+                StateKey::Penalty(u.clone(), true),
+                StateKey::UpstreamState(u.clone(), true),
+            ] {
+                assert!(key.cross_tenant(), "{key:?}");
+                for tenant in ["acme", "globex"] {
+                    assert_eq!(hash_tag(&k.key(tenant, &key)), format!("u:{name}"));
+                }
+            }
+        }
+        assert_eq!(
+            k.key("acme", &StateKey::SharedUpstreamBucket(u.clone())),
+            "admitd:{u:crm}:b"
+        );
+        assert_eq!(
+            k.key("acme", &StateKey::Penalty(u.clone(), true)),
+            "admitd:{u:crm}:pen"
+        );
+        assert_eq!(
+            k.key("acme", &StateKey::UpstreamState(u, true)),
+            "admitd:{u:crm}:up"
+        );
     }
 
     #[test]
@@ -235,7 +271,7 @@ mod tests {
             (StateKey::TenantBucket, "admitd:{t:acme}:b:t"),
             (StateKey::GlobalBucket(None), "admitd:{x}:b:g"),
             (StateKey::GlobalBucket(Some(Arc::from("free"))), "admitd:{x}:b:g:free"),
-            (StateKey::Penalty(Arc::from("crm"), true), "admitd:{x}:pen:crm"),
+            (StateKey::Penalty(Arc::from("crm"), true), "admitd:{u:crm}:pen"),
             (StateKey::Penalty(Arc::from("crm"), false), "admitd:{t:acme}:pen:crm"),
             (StateKey::LeaseExtra(0xab), "admitd:{t:acme}:lx:00000000000000ab"),
             (StateKey::SubjectIndex, "admitd:{t:acme}:subjects"),

@@ -506,9 +506,10 @@ impl RedisStore {
         self.keys.key(tenant, k)
     }
 
-    /// Decides a call: one round trip, or in a cluster two when the call spends cross-tenant state
-    /// (its tenant's shard first; if the second part refuses, the first is given back) that this
-    /// replica's slices do not cover (see [`super::slices`]).
+    /// Decides a call: one round trip, or in a cluster one more per hash tag of the cross-tenant
+    /// state the call spends (its tenant's shard first, then each shared upstream's and the global
+    /// buckets'; when a part refuses, those before it are given back) that this replica's slices
+    /// do not cover (see [`super::slices`]).
     pub async fn decide(
         self: Arc<Self>,
         tenant: Arc<str>,
@@ -534,41 +535,59 @@ impl RedisStore {
             n,
         )?;
         let RemoteAnswer::Admitted {
-            hold_us: hold_a,
-            layers: layers_a,
+            hold_us: mut hold,
+            mut layers,
             spend,
         } = first
         else {
             return Ok(first);
         };
-        let p = spec::decide_spec(&self.keys, &tenant, &call, Part::Cross);
-        let second = parse_decide(
-            self.invoke(&p.route, "decide", p.spec, p.data).await,
-            &p.map,
-            n,
-        );
-        match second {
-            // Spend budgets are the tenant's: the first part answered them.
-            Ok(RemoteAnswer::Admitted {
-                hold_us, layers, ..
-            }) => Ok(RemoteAnswer::Admitted {
-                hold_us: hold_us.max(hold_a),
-                layers: merge(layers_a, layers),
-                spend,
-            }),
-            other => {
-                // The tenant's part is given back: the call is refused (or not decided) as a whole.
-                let _ = self
-                    .clone()
-                    .release(tenant.clone(), call.lease, None, Refund::Always)
-                    .await;
-                let mut other = other;
-                if let Ok(RemoteAnswer::Refused { layers, .. }) = &mut other {
-                    *layers = merge(layers_a, std::mem::take(layers));
+        // Then the part of each cross-tenant hash tag (each shared upstream's, the global buckets'),
+        // on its own shard: the call is admitted when every part admits it.
+        let mut taken: Vec<(String, f64)> = Vec::new();
+        for tag in spec::cross_tags(&self.keys, &tenant, &call) {
+            let p = spec::decide_spec(&self.keys, &tenant, &call, Part::Cross(&tag));
+            let answer = parse_decide(
+                self.invoke(&p.route, "decide", p.spec, p.data).await,
+                &p.map,
+                n,
+            );
+            match answer {
+                // A cross part answers what each of its layers took after their figures.
+                Ok(RemoteAnswer::Admitted {
+                    hold_us,
+                    layers: part,
+                    spend: took,
+                }) => {
+                    hold = hold.max(hold_us);
+                    layers = merge(layers, part);
+                    for (j, &g) in p.map.iter().enumerate() {
+                        let key = self.key(&tenant, &call.layers[g].key);
+                        taken.push((key, took.get(j).copied().unwrap_or(0.0)));
+                    }
                 }
-                other
+                mut other => {
+                    // What the call took is given back: it is refused (or not decided) as a whole.
+                    let _ = self
+                        .clone()
+                        .release(tenant.clone(), call.lease, None, Refund::Always)
+                        .await;
+                    for (key, us) in &taken {
+                        self.give_back_us(key, *us).await;
+                    }
+                    if let Ok(RemoteAnswer::Refused { layers: part, .. }) = &mut other {
+                        *part = merge(layers, std::mem::take(part));
+                    }
+                    return other;
+                }
             }
         }
+        // Spend budgets are the tenant's: the first part answered them.
+        Ok(RemoteAnswer::Admitted {
+            hold_us: hold,
+            layers,
+            spend,
+        })
     }
 
     /// Ends a lease; `None` when the store holds no such lease.
@@ -657,9 +676,10 @@ impl RedisStore {
         // A shared upstream in a cluster: its state lives on another shard.
         if !parts[5].is_empty() && report {
             if let Ok(u) = serde_json::from_str::<Value>(&parts[5]) {
+                // The upstream's state key routes the report to the upstream's shard.
+                let route = u["s"].as_str().unwrap_or_default().to_string();
                 let spec = json!({"u": u, "limited": limited, "ok": accepted, "healthy": healthy,
                                   "retry_after": retry_after, "default_penalty": DEFAULT_PENALTY_US});
-                let route = format!("{}:route", self.keys.cross_base());
                 if let Ok(v) = self
                     .invoke(&route, "upstream", spec.to_string(), String::new())
                     .await
@@ -670,6 +690,10 @@ impl RedisStore {
                             self.write_probe(&tenant, probe, limited).await;
                         }
                     }
+                }
+                if limited {
+                    // This replica's slice of the upstream's bucket stops at once.
+                    self.halt_shared(&tenant, &parts[4], penalty_us).await;
                 }
             }
         }
@@ -702,13 +726,9 @@ impl RedisStore {
             "retry_after": retry_after.map_or(-1.0, |d| d.as_micros() as f64),
             "default_penalty": DEFAULT_PENALTY_US,
         });
-        let route = if report.cross_tenant() {
-            format!("{}:route", self.keys.cross_base())
-        } else {
-            self.keys.tenant_base(&tenant)
-        };
-        let route = if self.cfg.cluster {
-            route
+        // A shared upstream's state is on its own shard in a cluster.
+        let route = if self.cfg.cluster && report.cross_tenant() {
+            self.key(&tenant, &report.state)
         } else {
             self.keys.tenant_base(&tenant)
         };
@@ -719,6 +739,10 @@ impl RedisStore {
         let us: f64 = parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0);
         if let Some(probe) = parts.get(2) {
             self.write_probe(&tenant, probe, limited).await;
+        }
+        if limited && report.cross_tenant() {
+            // This replica's slice of the upstream's bucket stops at once.
+            self.halt_shared(&tenant, &report.name, us).await;
         }
         Ok((us > 0.0).then(|| Duration::from_micros(us as u64)))
     }
@@ -732,11 +756,12 @@ impl RedisStore {
         if answer.is_empty() {
             return;
         }
-        let Some((_, spec)) = spec::probe_write(answer, limited) else {
+        let Some((state, spec)) = spec::probe_write(answer, limited) else {
             return;
         };
+        // Probed upstreams are shared ones: in a cluster, the state key routes to its shard.
         let route = if self.cfg.cluster {
-            format!("{}:route", self.keys.cross_base())
+            state
         } else {
             self.keys.tenant_base(tenant)
         };
@@ -803,26 +828,29 @@ impl RedisStore {
                     .collect()
             })
             .unwrap_or_default();
-        if self.cfg.cluster && plan.upstreams.iter().any(|u| u.1) {
+        // In a cluster each shared upstream's penalty and multiplier are read on its own shard.
+        for (i, (_, shared, _)) in plan.upstreams.iter().enumerate() {
+            if !self.cfg.cluster || !*shared {
+                continue;
+            }
             let spec = json!({
                 "h": "", "z": "", "tenant_quota": "", "subject_quota": "", "index": "",
                 "max_subjects": 0,
-                "pens": pens, "ups": ups, "forget": 120e6, "pl": spec::PROBE_LEN_US,
+                "pens": [pens[i]], "ups": [ups[i]], "forget": 120e6, "pl": spec::PROBE_LEN_US,
             });
-            let route = format!("{}:route", self.keys.cross_base());
             let v = self
-                .invoke(&route, "snapshot", spec.to_string(), String::new())
+                .invoke(&ups[i], "snapshot", spec.to_string(), String::new())
                 .await?;
             let text: String =
                 redis::from_redis_value(v).map_err(|e| StoreError::Script(e.to_string()))?;
             let cross: Value =
                 serde_json::from_str(&text).map_err(|e| StoreError::Script(e.to_string()))?;
-            for (i, (_, shared, _)) in plan.upstreams.iter().enumerate() {
-                if *shared {
-                    if let (Some(p), Some(m)) = (cross["pens"].get(i), cross["ups"].get(i)) {
-                        upstreams[i] = (f(p), f(m));
-                    }
-                }
+            if let (Some(p), Some(m), Some(slot)) = (
+                cross["pens"].get(0),
+                cross["ups"].get(0),
+                upstreams.get_mut(i),
+            ) {
+                *slot = (f(p), f(m));
             }
         }
         let subjects = raw["subjects"]

@@ -1,21 +1,25 @@
 //! Slices of cross-tenant buckets, so that a Redis Cluster has no hot shard.
 //!
-//! Every call that spends the global bucket would otherwise make a second script call to the one
-//! shard of `{x}`, and every decision of the fleet would meet there. Instead, each replica leases a
-//! small slice of the bucket ahead of need (the script's `slice` operation takes up to N whole
-//! tokens of the GCRA bucket, atomically, on the `{x}` shard), spends it here (an atomic allowance
-//! per bucket, in millionths of a token), and asks for the next slice in the background once half
-//! of it is spent. A slice is sized from this replica's own rate: `[store] slice` of it (bounded by [`MAX_SHARE`] of the burst), lives at most [`SLICE_LIFE`] after it was taken, and
-//! what is left of it goes back to the bucket (the script's `refund`) when it expires, when the
-//! replica stops, or never (a replica killed): then it is spent capacity that the bucket refills
-//! with its own time, as any other. The tokens a replica holds unspent are at most two slices per
-//! bucket, so what a fleet can strand is bounded by replicas × 2 × [`MAX_SHARE`] × burst.
+//! Every call that spends the global bucket (or a `shared = true` upstream's) would otherwise make
+//! a second script call to the one shard of its hash tag (`{x}`, `{u:NAME}`), and every decision
+//! of the fleet that spends it would meet there. Instead, each replica leases a small slice of the
+//! bucket ahead of need (the script's `slice` operation takes up to N whole tokens of the GCRA
+//! bucket, atomically, on the bucket's shard), spends it here (an atomic allowance per bucket, in
+//! millionths of a token), and asks for the next slice in the background once half of it is spent.
+//! A slice is sized from this replica's own rate: `[store] slice` of it (bounded by [`MAX_SHARE`]
+//! of the burst), lives at most [`SLICE_LIFE`] after it was taken ([`SHARED_LIFE`] for a shared
+//! upstream's, whose penalty and throttle it carries: see [`super::cross`]), and what is left of
+//! it goes back to the bucket (the script's `refund`) when it expires, when the replica stops, or
+//! never (a replica killed): then it is spent capacity that the bucket refills with its own time,
+//! as any other. The tokens a replica holds unspent are at most two slices per bucket, so what a
+//! fleet can strand is bounded by replicas × 2 × [`MAX_SHARE`] × burst.
 //!
 //! Exactness: a replica spends only tokens the bucket gave it, so the fleet never admits more than
 //! the bucket allows in total. What moves is when: a token is spent after the bucket gave it out
-//! (within [`SLICE_LIFE`] of the slice's last refill), so in any interval the fleet admits at most
-//! what the bucket allows in it plus what the slices held at its start. A call that finds the slice empty (the refill has not come back yet) is
-//! decided the old way, in two script calls, exactly; it is never refused for want of a slice.
+//! (within the slice's life after its last refill), so in any interval the fleet admits at most
+//! what the bucket allows in it plus what the slices held at its start. A call that finds the slice
+//! empty (the refill has not come back yet) is decided the old way, on the buckets' shards, exactly;
+//! it is never refused for want of a slice.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,6 +33,12 @@ const OBSERVE_EVERY: Nanos = 100_000_000;
 pub const MAX_SHARE: f64 = 1.0 / 16.0;
 /// How long after it was taken a slice may still be spent; the rest then goes back.
 pub const SLICE_LIFE: Nanos = 1_000_000_000;
+/// The same for a slice of a `shared = true` upstream's bucket, which carries the upstream's
+/// penalty, AIMD multiplier and adaptive throttle as its refill read them: a replica learns of a
+/// 429 reported through another within this (and a round trip). A quarter of the shortest
+/// Retry-After header (whole seconds) and of the default penalty (1 s), at a refill per upstream
+/// and replica at most 4 times a second when calls are few.
+pub const SHARED_LIFE: Nanos = 250_000_000;
 /// The shortest pause before a bucket that gave no slice is asked again (it may hold tokens that
 /// callers refused earlier were promised).
 const RETRY_EMPTY: Nanos = 10_000_000;
@@ -101,6 +111,8 @@ pub struct Slice {
     asked: AtomicU64,
     /// The size of the last slice asked for, in millionths of a token (0: none yet).
     size: AtomicU64,
+    /// Counts [`Slice::halt`]s: a refill asked for before one is not spent.
+    epoch: AtomicU64,
     /// The rate this replica spends at, and how much of it the sizer has seen (in `asked`'s units).
     sizer: parking_lot::Mutex<(Sizer, u64)>,
 }
@@ -188,24 +200,61 @@ impl Slice {
     }
 
     /// A refill came back: `granted` whole tokens of a bucket of `t_us` microseconds per token and
-    /// `burst`, spendable until `now` + [`SLICE_LIFE`]. A bucket that gave none is not asked again
-    /// before it holds a token (at least [`RETRY_EMPTY`], at most a slice's life later).
-    pub fn refilled(&self, granted: f64, shape: (f64, f64), report: (u64, f64), now: Nanos) {
+    /// `burst`, spendable until `now` + `life`. A bucket that gave none is not asked again before
+    /// it holds a token (at least [`RETRY_EMPTY`], at most `life` later). `asked`: the
+    /// [`Slice::epoch`] the refill was asked in; a slice halted since keeps none of it, and the
+    /// tokens to give back are returned.
+    pub fn refilled(
+        &self,
+        granted: f64,
+        shape: (f64, f64),
+        report: (u64, f64),
+        now: Nanos,
+        life: Nanos,
+        asked: u64,
+    ) -> f64 {
         let (t_us, burst) = shape;
         let (left, reset_us) = report;
+        *self.t_us.lock() = t_us;
+        if self.epoch.load(Ordering::Acquire) != asked {
+            self.refilling.store(false, Ordering::Release);
+            return granted;
+        }
         if granted < 1.0 {
             let first_us = (reset_us - (burst - 1.0) * t_us).max(0.0);
-            let wait = ((first_us * 1e3) as Nanos).clamp(RETRY_EMPTY, SLICE_LIFE);
+            let wait = ((first_us * 1e3) as Nanos).clamp(RETRY_EMPTY, life);
             self.not_before
-                .store(now.saturating_add(wait), Ordering::Release);
+                .fetch_max(now.saturating_add(wait), Ordering::AcqRel);
         }
         *self.report.lock() = (left, reset_us);
-        *self.t_us.lock() = t_us;
         self.left
             .fetch_add((granted * UNIT) as u64, Ordering::AcqRel);
         self.until
-            .store(now.saturating_add(SLICE_LIFE), Ordering::Release);
+            .store(now.saturating_add(life), Ordering::Release);
         self.refilling.store(false, Ordering::Release);
+        0.0
+    }
+
+    /// What a token of the bucket is worth in microseconds, as last refilled.
+    pub fn t_us(&self) -> f64 {
+        *self.t_us.lock()
+    }
+
+    /// Where the slice's halts stand, for a refill to say when it was asked.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Stops the slice at once (its upstream is under a penalty, or throttled): nothing more is
+    /// spent here, no refill is asked before `not_before`, and a refill on its way is given back
+    /// when it arrives. Returns the tokens the slice held, and what one is worth in microseconds,
+    /// to give back to the bucket.
+    pub fn halt(&self, not_before: Nanos) -> (f64, f64) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.until.store(0, Ordering::Release);
+        self.not_before.fetch_max(not_before, Ordering::AcqRel);
+        let t_us = *self.t_us.lock();
+        (self.left.swap(0, Ordering::AcqRel) as f64 / UNIT, t_us)
     }
 
     /// A refill failed: the next call may ask again.
@@ -221,6 +270,11 @@ pub struct Slices {
 }
 
 impl Slices {
+    /// The slice of the bucket `key`, if this replica has one.
+    pub fn peek(&self, key: &str) -> Option<Arc<Slice>> {
+        self.map.read().get(key).cloned()
+    }
+
     /// The slice of the bucket `key`, made empty on first use.
     pub fn get(&self, key: &str) -> Arc<Slice> {
         if let Some(s) = self.map.read().get(key) {
@@ -293,7 +347,14 @@ mod tests {
         let slice = Slice::default();
         let now = 5_000 * MS;
         assert_eq!(slice.spend(1.0, now), Spent::Empty);
-        slice.refilled(3.0, (10.0, 100.0), (7, 250.0), now);
+        slice.refilled(
+            3.0,
+            (10.0, 100.0),
+            (7, 250.0),
+            now,
+            SLICE_LIFE,
+            slice.epoch(),
+        );
         for _ in 0..2 {
             assert_eq!(
                 slice.spend(1.25, now + MS),
@@ -325,7 +386,7 @@ mod tests {
         let slice = Slice::default();
         let t0 = 5_000 * MS;
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, t0), Some(1.0));
-        slice.refilled(1.0, (1_000.0, 1e6), (0, 0.0), t0);
+        slice.refilled(1.0, (1_000.0, 1e6), (0, 0.0), t0, SLICE_LIFE, slice.epoch());
         // Two calls a millisecond for 200 ms: the first spends the slice, the rest find it empty.
         for i in 0..400 {
             let spent = slice.spend(1.0, t0 + i * MS / 2);
@@ -352,7 +413,7 @@ mod tests {
             None,
             "one on its way"
         );
-        slice.refilled(4.0, (10.0, 100.0), (0, 0.0), now);
+        slice.refilled(4.0, (10.0, 100.0), (0, 0.0), now, SLICE_LIFE, slice.epoch());
         // Four tokens held against a slice of one: no refill wanted.
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now), None);
         slice.take_all();
@@ -361,17 +422,70 @@ mod tests {
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now), Some(1.0));
         // The bucket had none to give: its first token is 10 ms away (a token is 1 ms, the bucket
         // 100 tokens full in 109 ms), and no refill is asked before.
-        slice.refilled(0.0, (1_000.0, 100.0), (0, 109_000.0), now);
+        slice.refilled(
+            0.0,
+            (1_000.0, 100.0),
+            (0, 109_000.0),
+            now,
+            SLICE_LIFE,
+            slice.epoch(),
+        );
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now + 9 * MS), None);
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now + 10 * MS), Some(1.0));
         // None given though the bucket holds tokens (promised to callers refused earlier): asked
         // again no sooner than 10 ms later, not on every call.
         let later = now + 20 * MS;
-        slice.refilled(0.0, (1_000.0, 100.0), (50, 50_000.0), later);
+        slice.refilled(
+            0.0,
+            (1_000.0, 100.0),
+            (50, 50_000.0),
+            later,
+            SLICE_LIFE,
+            slice.epoch(),
+        );
         assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, later + 9 * MS), None);
         assert_eq!(
             slice.wants_refill(1.0, 1e6, SPAN, later + 10 * MS),
             Some(1.0)
         );
+    }
+
+    #[test]
+    fn a_halted_slice_spends_nothing_asks_nothing_and_keeps_no_refill_asked_before() {
+        let slice = Slice::default();
+        let now = 5_000 * MS;
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, now), Some(1.0));
+        let asked = slice.epoch();
+        assert_eq!(
+            slice.refilled(6.0, (10.0, 100.0), (7, 250.0), now, SHARED_LIFE, asked),
+            0.0
+        );
+        assert!(matches!(slice.spend(1.0, now + MS), Spent::Local { .. }));
+        // A shared slice lives a quarter of a second.
+        assert_eq!(slice.spend(1.0, now + SHARED_LIFE), Spent::Empty);
+        // A 429: what it holds goes back (at what a token was worth), nothing more is spent here,
+        // and no refill is asked before the penalty ends.
+        let ends = now + 2_000 * MS;
+        assert_eq!(slice.halt(ends), (5.0, 10.0));
+        assert_eq!(slice.spend(1.0, now + 2 * MS), Spent::Empty);
+        slice.refill_failed();
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, ends - 1), None);
+        // A refill asked before the halt comes back after it: none of it is kept.
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, ends), Some(1.0));
+        let before = slice.epoch();
+        slice.halt(0);
+        assert_eq!(
+            slice.refilled(3.0, (10.0, 100.0), (0, 0.0), ends, SHARED_LIFE, before),
+            3.0
+        );
+        assert_eq!(slice.spend(1.0, ends + MS), Spent::Empty);
+        // The next one is.
+        assert_eq!(slice.wants_refill(1.0, 1e6, SPAN, ends + MS), Some(1.0));
+        let asked = slice.epoch();
+        slice.refilled(3.0, (10.0, 100.0), (0, 0.0), ends + MS, SHARED_LIFE, asked);
+        assert!(matches!(
+            slice.spend(1.0, ends + 2 * MS),
+            Spent::Local { .. }
+        ));
     }
 }

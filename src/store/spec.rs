@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use super::error::StoreError;
-use super::keys::{cat, hex16, Keys};
+use super::keys::{cat, hash_tag, hex16, Keys};
 use crate::config::{Aimd, Probing};
 use crate::engine::probe::{self, StoredProbe};
 use crate::engine::{
@@ -19,21 +19,25 @@ pub(super) const PROBE_LEN_US: f64 = (probe::PROBE_LEN / 1000) as f64;
 const PROBE_RAMP_US: f64 = (probe::RAMP / 1000) as f64;
 const METER_TAU_US: f64 = (probe::METER_TAU / 1000) as f64;
 
-/// The spec of the part of `call` whose keys are cross-tenant (`cross`) or the tenant's own, and
-/// what its lease keeps for the release. `split`: whether the call is split in two parts (a
-/// cluster); otherwise one part has it all. Returns the spec, the lease data, the key that routes
-/// them and, per layer of the part, its index in the call.
+/// The spec of a part of `call` (the tenant's own keys, or the cross-tenant keys of one hash tag;
+/// or, on one server, all of them), and what its lease keeps for the release. Returns the spec, the
+/// lease data, the key that routes them and, per layer of the part, its index in the call.
 ///
 /// The spec is MessagePack scalars in the order the script's `op_decide` reads them (its header
 /// comment lists them): the script decodes no JSON and parses no number from text, which was a
 /// fifth of its work per decision, and admitd builds no JSON tree.
-pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Part) -> DecideParts {
+pub(super) fn decide_spec(
+    keys: &Keys,
+    tenant: &str,
+    call: &RemoteCall,
+    part: Part<'_>,
+) -> DecideParts {
     let keep = |k: &StateKey| match part {
         Part::All => true,
         Part::Tenant => !k.cross_tenant(),
-        Part::Cross => k.cross_tenant(),
+        Part::Cross(tag) => k.cross_tenant() && hash_tag(&keys.key(tenant, k)) == tag,
     };
-    let own = part != Part::Cross;
+    let own = !matches!(part, Part::Cross(_));
     let hash = keys.hash(tenant);
     let mut map = Vec::new();
     // Each layer of the part: its hash, the prefix of its fields, and the layer.
@@ -237,7 +241,8 @@ pub(super) fn decide_spec(keys: &Keys, tenant: &str, call: &RemoteCall, part: Pa
         }
     }
     let route = match part {
-        Part::Cross => format!("{}:route", keys.cross_base()),
+        // A key of the tag: every key of the part shares it.
+        Part::Cross(tag) => keys.tag_base(tag),
         _ => keys.tenant_base(tenant),
     };
     DecideParts {
@@ -578,9 +583,46 @@ struct LeaseData<'a> {
 }
 
 /// A cross-tenant bucket layer as a release settles it: its key, the tokens the call took, the
-/// microseconds a token is worth, and whether it is a global bucket (spent from slices).
+/// microseconds a token is worth, and whether it may be spent from slices (a global bucket's or a
+/// shared upstream's; a lease written before shared upstreams were sliced says false for theirs).
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub(super) struct CrossLayer(pub String, pub f64, pub f64, pub bool);
+
+/// The `slice` operation's spec for the cross-tenant bucket layer `i` of `call` (`size` whole tokens
+/// at most). A shared upstream's slice also reads what else decides the upstream's calls: its AIMD
+/// multiplier (the slice is taken at the rate after any cut), its penalty and its adaptive throttle
+/// (no slice while either would refuse a call; both are answered).
+pub(super) fn slice_spec(
+    keys: &Keys,
+    tenant: &str,
+    call: &RemoteCall,
+    i: usize,
+    size: f64,
+) -> String {
+    let l = &call.layers[i];
+    let mut spec = serde_json::json!({
+        "k": keys.key(tenant, &l.key), "T": l.t_us, "b": l.burst, "n": size,
+    });
+    if let StateKey::SharedUpstreamBucket(u) = &l.key {
+        if let Some(m) = &l.aimd {
+            spec["m"] = keys.key(tenant, m).into();
+            spec["forget"] = l.forget_us.into();
+            spec["pl"] = PROBE_LEN_US.into();
+        }
+        let penalty = StateKey::Penalty(u.clone(), true);
+        if call.penalties.iter().any(|p| p.key == penalty) {
+            spec["pk"] = keys.key(tenant, &penalty).into();
+        }
+        let state = StateKey::UpstreamState(u.clone(), true);
+        if let Some(a) = call.adaptive.iter().find(|a| a.key == state) {
+            spec["a"] = keys.key(tenant, &state).into();
+            spec["aw"] = a.window_us.into();
+            spec["K"] = a.k.into();
+            spec["min"] = (a.min_requests as f64).into();
+        }
+    }
+    spec.to_string()
+}
 
 /// The call's cross-tenant bucket layers, for the lease of its tenant's part.
 fn cross_layers(keys: &Keys, tenant: &str, call: &RemoteCall) -> Vec<CrossLayer> {
@@ -588,8 +630,11 @@ fn cross_layers(keys: &Keys, tenant: &str, call: &RemoteCall) -> Vec<CrossLayer>
         .iter()
         .filter(|l| l.key.cross_tenant())
         .map(|l| {
-            let global = matches!(l.key, StateKey::GlobalBucket(_));
-            CrossLayer(keys.key(tenant, &l.key), l.tokens, l.t_us, global)
+            let sliced = matches!(
+                l.key,
+                StateKey::GlobalBucket(_) | StateKey::SharedUpstreamBucket(_)
+            );
+            CrossLayer(keys.key(tenant, &l.key), l.tokens, l.t_us, sliced)
         })
         .collect()
 }
@@ -723,10 +768,40 @@ impl ReportSpec<'_> {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Part {
+pub(super) enum Part<'a> {
+    /// Every key of the call (one server).
     All,
+    /// The tenant's own keys (a cluster: on the tenant's shard).
     Tenant,
-    Cross,
+    /// The cross-tenant keys of one hash tag (a cluster: `x` for the global buckets, `u:NAME` for a
+    /// shared upstream's state).
+    Cross(&'a str),
+}
+
+/// The hash tags of `call`'s cross-tenant state, each once, in the order a cluster decides them:
+/// shared upstreams' (their penalties and adaptive windows first: the likelier refusals) before the
+/// global buckets'.
+pub(super) fn cross_tags(keys: &Keys, tenant: &str, call: &RemoteCall) -> Vec<String> {
+    let mut tags: Vec<String> = Vec::new();
+    let all = call
+        .penalties
+        .iter()
+        .map(|p| &p.key)
+        .chain(call.adaptive.iter().map(|a| &a.key))
+        .chain(call.layers.iter().map(|l| &l.key))
+        .filter(|k| k.cross_tenant());
+    for k in all {
+        let tag = hash_tag(&keys.key(tenant, k)).to_string();
+        if !tags.contains(&tag) {
+            tags.push(tag);
+        }
+    }
+    // The global buckets' tag last.
+    if let Some(i) = tags.iter().position(|t| t == "x") {
+        let x = tags.remove(i);
+        tags.push(x);
+    }
+    tags
 }
 
 /// Layer reports of two parts, in the call's order (a layer is in exactly one of them).
@@ -1045,5 +1120,37 @@ mod tests {
         let a = vec![(3, 10.0), (0, -1.0)];
         let b = vec![(0, -1.0), (7, 20.0)];
         assert_eq!(merge(a, b), vec![(3, 10.0), (7, 20.0)]);
+    }
+
+    #[test]
+    fn a_cross_tenant_part_is_one_hash_tag_and_the_global_buckets_come_last() {
+        use crate::engine::test_support::{call, harness, SEC};
+        use crate::engine::TenantEngine;
+        let (_clock, cfg, shared) = harness(
+            "[limits.global]\nrate = \"10/s\"\nburst = 10\n\
+             [upstreams.crm]\nrate = \"5/s\"\nburst = 5\nshared = true\n\
+             [upstreams.mail]\nrate = \"5/s\"\nburst = 5\nshared = true\nadaptive_k = 2\n\
+             [tools.sync]\nupstreams = { crm = 1, mail = 2 }\n",
+            0,
+        );
+        let mut engine = TenantEngine::new(std::sync::Arc::from("acme"), cfg, shared, 7);
+        let call = engine
+            .plan_remote(&call("bot", "sync"), SEC)
+            .expect("planned for the store");
+        let keys = Keys::new("admitd");
+        let tags = cross_tags(&keys, "acme", &call);
+        assert_eq!(tags, ["u:crm", "u:mail", "x"]);
+        for tag in &tags {
+            let p = decide_spec(&keys, "acme", &call, Part::Cross(tag));
+            assert_eq!(hash_tag(&p.route), tag);
+            // Each layer of the part is of the tag.
+            assert_eq!(p.map.len(), 1, "{tag}");
+            let layer = &call.layers[p.map[0]];
+            assert_eq!(hash_tag(&keys.key("acme", &layer.key)), tag);
+        }
+        // The tenant's part has none of them.
+        let p = decide_spec(&keys, "acme", &call, Part::Tenant);
+        assert!(p.map.iter().all(|&i| !call.layers[i].key.cross_tenant()));
+        assert_eq!(hash_tag(&p.route), "t:acme");
     }
 }

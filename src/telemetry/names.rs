@@ -112,7 +112,7 @@ pub const METRIC_HELP: &[MetricHelp] = {
         help(STORE_ERRORS, Counter, COUNT, "Calls to the shared store that failed, by kind (timeout, connection, script)."),
         help(STORE_REQUEST, Histogram, SECONDS, "How long each operation on the shared store waited for its answer (batched operations share one)."),
         help(STORE_FALLBACK, Counter, COUNT, "Admissions decided without the shared store while it was unreachable, by on_error mode."),
-        help(STORE_GLOBAL, Counter, COUNT, "Cluster decisions spending a global bucket, from this replica's slice or on the bucket's shard."),
+        help(STORE_GLOBAL, Counter, COUNT, "Cluster decisions spending a global or shared upstream's bucket, from slices or on its shard."),
         help(TASKS_INFLIGHT, Gauge, COUNT, "MCP tasks admitted and not yet released or expired."),
         help(TASKS_STARTED, Counter, COUNT, "Admissions answered as MCP tasks."),
         help(TASK_POLLS, Counter, COUNT, "Polls of MCP tasks (POST /v1/tasks/poll), admitted on time or refused as early."),
