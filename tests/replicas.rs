@@ -568,6 +568,62 @@ fn rediss_verifies_the_server_and_a_password_in_the_url_is_used() {
 }
 
 #[test]
+fn a_user_password_and_database_in_a_redis_url_are_used_by_every_connection() {
+    // Decisions go on each worker's own connection, which admitd opens itself for redis:// (not
+    // through the client library): it must log in and select the database as the library does.
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    redis.cli(&["ACL", "SETUSER", "fleet", "on", ">f1eet", "~*", "+@all"]);
+    let url = format!("redis://fleet:f1eet@127.0.0.1:{}/3", redis.port());
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nburst = 2\nrate = \"1/h\"\n{}",
+        store(&url, false, "")
+    ));
+    assert_eq!(d.get("/readyz").status, 200);
+    for _ in 0..2 {
+        assert_eq!(d.admit(call("acme", "bot")).status, 200);
+    }
+    let refused = d.admit(call("acme", "bot"));
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    // Every key in database 3, none in 0.
+    let in_3 = redis.cli(&["-n", "3", "--scan", "--pattern", "admitd:*"]);
+    assert!(in_3.contains("admitd:{t:acme}:h"), "{in_3}");
+    assert_eq!(redis.cli(&["-n", "0", "--scan", "--pattern", "admitd:*"]), "");
+    // The user's decisions ran as that user.
+    let clients = redis.cli(&["CLIENT", "LIST"]);
+    assert!(clients.contains("user=fleet"), "{clients}");
+}
+
+#[test]
+fn worker_connections_refused_at_login_are_503s_and_admitd_recovers_when_login_works_again() {
+    // The store's own connections log in while the password is right; then it changes, and each
+    // worker's connection (opened by admitd itself for redis://) is refused at login.
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let url = format!("redis://:s3cret@127.0.0.1:{}", redis.port());
+    let d = Daemon::start(&format!(
+        "[limits.subject]\nburst = 50\n{}",
+        store(&url, false, "")
+    ));
+    assert_eq!(d.get("/readyz").status, 200);
+    redis.cli(&["CONFIG", "SET", "requirepass", "changed"]);
+    redis.cli_as("changed", &["CLIENT", "KILL", "TYPE", "normal"]);
+    for _ in 0..3 {
+        let a = d.admit(call("acme", "bot"));
+        assert_eq!(a.status, 503, "{}", a.body);
+        assert_eq!(a.body["error"], "store_unavailable", "{}", a.body);
+    }
+    redis.cli_as("changed", &["CONFIG", "SET", "requirepass", "s3cret"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let a = d.admit(call("acme", "bot"));
+        if a.status == 200 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not back: {}", a.body);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+#[test]
 fn a_flushed_script_is_loaded_again() {
     let redis = RedisServer::start();
     let d = Daemon::start(&format!("{LOOP_LIMITS}{}", store(&redis.url(), false, "")));

@@ -193,6 +193,15 @@ impl RedisServer {
         run(cmd.args(args))
     }
 
+    /// [`RedisServer::cli`] logging in with `password` (one set since the server started).
+    pub fn cli_as(&self, password: &str, args: &[&str]) -> String {
+        let mut cmd = Command::new(redis_bin("redis-cli"));
+        cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
+        cmd.args(["-a", password, "--no-auth-warning"]);
+        run(cmd.args(args))
+            .unwrap_or_else(|e| panic!("redis-cli -p {} {args:?}: {e}", self.port))
+    }
+
     /// True when the server answers a PING on a fresh connection (`-NOAUTH` counts: it answered).
     pub fn answers(&self) -> bool {
         ping(self.port)
