@@ -587,7 +587,10 @@ fn a_user_password_and_database_in_a_redis_url_are_used_by_every_connection() {
     // Every key in database 3, none in 0.
     let in_3 = redis.cli(&["-n", "3", "--scan", "--pattern", "admitd:*"]);
     assert!(in_3.contains("admitd:{t:acme}:h"), "{in_3}");
-    assert_eq!(redis.cli(&["-n", "0", "--scan", "--pattern", "admitd:*"]), "");
+    assert_eq!(
+        redis.cli(&["-n", "0", "--scan", "--pattern", "admitd:*"]),
+        ""
+    );
     // The user's decisions ran as that user.
     let clients = redis.cli(&["CLIENT", "LIST"]);
     assert!(clients.contains("user=fleet"), "{clients}");

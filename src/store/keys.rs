@@ -103,9 +103,14 @@ impl Keys {
         let u = |name: &str, rest: &str| joined(&[p, ":{u:", name, "}"], &[rest]);
         match k {
             StateKey::SubjectBucket(s) => t(&[":b:s:", s]),
-            StateKey::SubjectToolBucket(s, tool) => {
-                t(&[":b:st:", itoa::Buffer::new().format(s.len()), ":", s, ":", tool])
-            }
+            StateKey::SubjectToolBucket(s, tool) => t(&[
+                ":b:st:",
+                itoa::Buffer::new().format(s.len()),
+                ":",
+                s,
+                ":",
+                tool,
+            ]),
             StateKey::TenantBucket => t(&[":b:t"]),
             StateKey::UpstreamBucket(u) => t(&[":b:u:", u]),
             StateKey::SharedUpstreamBucket(name) => u(name, ":b"),
@@ -263,17 +268,32 @@ mod tests {
         let k = Keys::new("admitd");
         let s: Arc<str> = Arc::from("bot");
         let cases = [
-            (StateKey::SubjectBucket(s.clone()), "admitd:{t:acme}:b:s:bot"),
+            (
+                StateKey::SubjectBucket(s.clone()),
+                "admitd:{t:acme}:b:s:bot",
+            ),
             (
                 StateKey::SubjectToolBucket(s.clone(), Arc::from("search")),
                 "admitd:{t:acme}:b:st:3:bot:search",
             ),
             (StateKey::TenantBucket, "admitd:{t:acme}:b:t"),
             (StateKey::GlobalBucket(None), "admitd:{x}:b:g"),
-            (StateKey::GlobalBucket(Some(Arc::from("free"))), "admitd:{x}:b:g:free"),
-            (StateKey::Penalty(Arc::from("crm"), true), "admitd:{u:crm}:pen"),
-            (StateKey::Penalty(Arc::from("crm"), false), "admitd:{t:acme}:pen:crm"),
-            (StateKey::LeaseExtra(0xab), "admitd:{t:acme}:lx:00000000000000ab"),
+            (
+                StateKey::GlobalBucket(Some(Arc::from("free"))),
+                "admitd:{x}:b:g:free",
+            ),
+            (
+                StateKey::Penalty(Arc::from("crm"), true),
+                "admitd:{u:crm}:pen",
+            ),
+            (
+                StateKey::Penalty(Arc::from("crm"), false),
+                "admitd:{t:acme}:pen:crm",
+            ),
+            (
+                StateKey::LeaseExtra(0xab),
+                "admitd:{t:acme}:lx:00000000000000ab",
+            ),
             (StateKey::SubjectIndex, "admitd:{t:acme}:subjects"),
             (
                 StateKey::SpendSubject(s.clone(), Arc::from("usd")),
@@ -287,7 +307,10 @@ mod tests {
         assert_eq!(k.hash("acme"), "admitd:{t:acme}:h");
         assert_eq!(k.leases("acme"), "admitd:{t:acme}:ls");
         assert_eq!(k.cross_base(), "admitd:{x}");
-        assert_eq!(k.layer("acme", &StateKey::SubjectBucket(s)), (None, "s:bot|".into()));
+        assert_eq!(
+            k.layer("acme", &StateKey::SubjectBucket(s)),
+            (None, "s:bot|".into())
+        );
         assert_eq!(
             Keys::slots_field(&StateKey::SubjectSlots(Arc::from("bot"))),
             "s:bot|n"

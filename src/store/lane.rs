@@ -357,11 +357,19 @@ impl Lanes {
                 wire::arg_len(q.op.as_bytes())
                     + wire::arg_len(&q.spec)
                     + wire::arg_len(&q.data)
-                    + if self.routed { wire::arg_len(q.route.as_bytes()) } else { 0 }
+                    + if self.routed {
+                        wire::arg_len(q.route.as_bytes())
+                    } else {
+                        0
+                    }
             })
             .sum();
         out.reserve(128 + batch[0].route.len() + bytes);
-        wire::header(out, b'*', 5 + per_op * batch.len() - usize::from(self.routed));
+        wire::header(
+            out,
+            b'*',
+            5 + per_op * batch.len() - usize::from(self.routed),
+        );
         wire::arg(out, b"EVALSHA");
         wire::arg(out, self.script.get_hash().as_bytes());
         if self.routed {

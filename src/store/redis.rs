@@ -161,12 +161,7 @@ impl RedisStore {
             keys: Keys::new(&cfg.key_prefix),
             cfg: cfg.clone(),
             script: redis::Script::new(script),
-            lanes: Arc::new(Lanes::new(
-                script,
-                cfg.pool_size,
-                cfg.timeout,
-                cfg.cluster,
-            )),
+            lanes: Arc::new(Lanes::new(script, cfg.pool_size, cfg.timeout, cfg.cluster)),
             nodes: Nodes::default(),
             conns: ArcSwapOption::empty(),
             up: AtomicBool::new(false),

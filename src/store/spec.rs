@@ -557,7 +557,11 @@ fn lease_member(lease: u64, conc: &[RemoteSlots], subject: &str) -> String {
         (false, false) => '-',
     };
     let mut scope = [0u8; 4];
-    cat(&[hex16(lease).as_str(), scopes.encode_utf8(&mut scope), subject])
+    cat(&[
+        hex16(lease).as_str(),
+        scopes.encode_utf8(&mut scope),
+        subject,
+    ])
 }
 
 /// What a lease keeps for its release (the end of its field `l:ID`), stored as admitd writes it: a

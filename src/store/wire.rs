@@ -144,10 +144,7 @@ pub(super) async fn connect(
         let mut expect = 0;
         if let Some(password) = info.password() {
             match info.username() {
-                Some(user) => command(
-                    &mut hello,
-                    &[b"AUTH", user.as_bytes(), password.as_bytes()],
-                ),
+                Some(user) => command(&mut hello, &[b"AUTH", user.as_bytes(), password.as_bytes()]),
                 None => command(&mut hello, &[b"AUTH", password.as_bytes()]),
             }
             expect += 1;

@@ -198,8 +198,7 @@ impl RedisServer {
         let mut cmd = Command::new(redis_bin("redis-cli"));
         cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
         cmd.args(["-a", password, "--no-auth-warning"]);
-        run(cmd.args(args))
-            .unwrap_or_else(|e| panic!("redis-cli -p {} {args:?}: {e}", self.port))
+        run(cmd.args(args)).unwrap_or_else(|e| panic!("redis-cli -p {} {args:?}: {e}", self.port))
     }
 
     /// True when the server answers a PING on a fresh connection (`-NOAUTH` counts: it answered).
