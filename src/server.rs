@@ -318,8 +318,10 @@ async fn run(config: Config) -> Result<(), String> {
     if let Some(path) = &state_path {
         write_state(&shared, path, true).await;
     }
-    // What this replica holds of cross-tenant buckets and did not spend is the fleet's again.
+    // What this replica holds of cross-tenant buckets and did not spend is the fleet's again, and
+    // the shared upstreams' answers it gathered go to their shards.
     if let crate::store::Store::Redis(store) = shared.store() {
+        let _ = tokio::time::timeout(Duration::from_secs(1), store.send_answers()).await;
         let _ = tokio::time::timeout(Duration::from_secs(1), store.give_back_slices()).await;
     }
     for arbiter in arbiters {

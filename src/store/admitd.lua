@@ -50,6 +50,7 @@
 --   decide   check and spend every layer of one call, all or nothing; returns ok / shed / busy
 --   release  end a lease: free its slots, refund what a cancelled hold took, report the upstream
 --   upstream report an upstream's answer seen outside a lease (penalty, AIMD, adaptive window)
+--   answers  report a shared upstream's answers one replica gathered (none a 429 or a 503)
 --   refund   give back bucket tokens (a cross-shard part of a call refused by another shard)
 --   charge   take bucket tokens whatever the bucket holds (a release's cost above the admission's)
 --   snapshot read a tenant's state for GET /v1/tenants/{tenant} (its spend of the day included)
@@ -590,6 +591,18 @@ local PROBE_FIELDS = {'m', 'c', 'iv', 'sp', 'pa', 'pt', 'ca', 'pu', 'sv', 'st', 
 -- sum decaying with `tau`, restarted at `s0` after a quiet spell), into the running probe past its
 -- ramp, and wins `u.ar` back up to the hold. Every other change (a cut, a verdict on a probe, the
 -- next probe) admitd computes from the fields returned here and writes with the `probe` operation.
+-- What admitd reads back after the script counted answers of a probed upstream: the report and
+-- the state hash's probe fields.
+local function probe_state(u)
+  local out = {}
+  local v = redis.call('HMGET', u.s, unpack(PROBE_FIELDS))
+  for i, k in ipairs(PROBE_FIELDS) do
+    if v[i] then out[k] = tonumber(v[i]) end
+  end
+  out.now = now
+  return cjson.encode({u = u, st = out})
+end
+
 local function probe_answer(u, limited)
   local pr = u.pr
   local h = redis.call('HMGET', u.s, 'm', 'c', 'pa', 'pu', 'sv', 'st', 's0')
@@ -615,13 +628,54 @@ local function probe_answer(u, limited)
     end
     redis.call('HSET', u.s, unpack(f))
   end
-  local out = {}
-  local v = redis.call('HMGET', u.s, unpack(PROBE_FIELDS))
-  for i, k in ipairs(PROBE_FIELDS) do
-    if v[i] then out[k] = tonumber(v[i]) end
+  return probe_state(u)
+end
+
+-- Healthy answers of a probed upstream a replica gathered (`a`: see `upstream_answers`), each
+-- counted as `probe_answer` counts one at its own instant: the meter is a sum of decaying terms, so
+-- an answer older than the meter's last one (another replica's, counted meanwhile) adds its term
+-- decayed to that instant, and the meter restarts at an answer after a quiet spell as it would.
+local function probe_served(u, a)
+  local pr = u.pr
+  local h = redis.call('HMGET', u.s, 'm', 'c', 'pa', 'pu', 'sv', 'st', 's0')
+  local m, c, pa, pu = num(h[1], 1), num(h[2], 1), num(h[3], 0), num(h[4], 0)
+  local sv, st, s0 = num(h[5], 0), num(h[6], 0), num(h[7], 0)
+  local m0, pu0 = m, pu
+  local hold = min(c * pr.h, 1)
+  for _, e in ipairs(a) do
+    local n = e[2]
+    if n > 0 then
+      local at = now - e[1]
+      local q = u.q
+      if at - st > METER_RESTART * pr.tau then
+        sv, s0, st = 0, at, at
+      elseif at >= st then
+        sv = sv * math.exp(-(at - st) / pr.tau)
+        st = at
+      else
+        q = q * math.exp(-(st - at) / pr.tau)
+      end
+      -- One addition per answer, as one report each adds (the same sum to the last bit).
+      local inside = pa > 0 and pa + pr.rp <= at and at < pa + pr.pl
+      for _ = 1, n do
+        sv = sv + q
+        if inside then pu = pu + u.q end
+      end
+      if pa > 0 then
+        for _ = 1, n do
+          if m >= hold then break end
+          m = m + u.ar
+          if m >= 1 - AIMD_SNAP then m = 1 end
+          m = min(m, hold)
+        end
+      end
+    end
   end
-  out.now = now
-  return cjson.encode({u = u, st = out})
+  local f = {'sv', fmt(sv), 'st', fmt(st), 's0', fmt(s0)}
+  if pu ~= pu0 then f[#f + 1], f[#f + 2] = 'pu', fmt(pu) end
+  if m ~= m0 then f[#f + 1], f[#f + 2] = 'm', fmt(m) end
+  redis.call('HSET', u.s, unpack(f))
+  return probe_state(u)
 end
 
 -- An upstream's answer: a 429 starts (or extends) its penalty, cuts its AIMD rate and counts as a
@@ -667,6 +721,51 @@ local function upstream_answer(u, limited, retry_after, default_penalty, ok, hea
     expire_at(u.s, now + max(u.forget, u.aw or 0) + GRACE)
   end
   return penalty, probe
+end
+
+-- Answers of a shared upstream's calls that one replica gathered for a while (src/store/answers.rs),
+-- none of them a 429 or a 503: `a` lists {age, healthy, accepted} with the age in microseconds
+-- before this call (to the millisecond), how many healthy answers arrived then and how many other
+-- accepted ones. The same changes as one `upstream_answer` per answer at its own instant: each
+-- healthy one wins `ar` back (with the same snap, up to the same cap) and goes into a probed
+-- upstream's meter, and every one counts as a request and an accept in the adaptive window's slot
+-- of its instant. Returns the probe part as `upstream_answer` does ('' when not probed).
+local function upstream_answers(u, a)
+  local healthy = 0
+  for _, e in ipairs(a) do healthy = healthy + e[2] end
+  local probe = ''
+  if u.pr then
+    if healthy > 0 then probe = probe_served(u, a) end
+  elseif u.af and healthy > 0 then
+    local h = redis.call('HMGET', u.s, 'm', 'cut')
+    local m, cut = num(h[1], 1), num(h[2], 0)
+    if now - cut > u.forget then m = 1 end
+    if m < 1 then
+      for _ = 1, healthy do
+        m = m + u.ar
+        if m >= 1 - AIMD_SNAP then m = 1 break end
+      end
+      redis.call('HSET', u.s, 'm', fmt(m))
+    end
+  end
+  if u.aw and u.aw > 0 then
+    local len = max(floor(u.aw / SRE_SLOTS), 1)
+    local per = {}
+    for _, e in ipairs(a) do
+      local slot = floor((now - e[1]) / len)
+      per[slot] = (per[slot] or 0) + e[2] + e[3]
+    end
+    for slot, n in pairs(per) do
+      if n > 0 then
+        redis.call('HINCRBY', u.s, 'r:' .. slot, n)
+        redis.call('HINCRBY', u.s, 'a:' .. slot, n)
+      end
+    end
+  end
+  if u.af or (u.aw and u.aw > 0) then
+    expire_at(u.s, now + max(u.forget, u.aw or 0) + GRACE)
+  end
+  return probe
 end
 
 -- The rare lists of a decision's spec from offset `i` (penalties, adaptive windows, quotas, spend
@@ -1136,10 +1235,20 @@ local function op_release()
   return r
 end
 
+-- `spec.a` (optional): answers this replica gathered before this one (see `upstream_answers`),
+-- counted first so that the store sees them in the order they came. (admitd never sends them with
+-- an answer that has a probe part of its own: a probed upstream's 429.)
 local function op_upstream()
+  local before = ''
+  if spec.a and #spec.a > 0 then before = upstream_answers(spec.u, spec.a) end
   local penalty, probe = upstream_answer(spec.u, spec.limited, spec.retry_after, spec.default_penalty,
     spec.ok, spec.healthy)
+  if probe == '' then probe = before end
   return {'ok', fmt(penalty), probe}
+end
+
+local function op_answers()
+  return {'ok', upstream_answers(spec.u, spec.a)}
 end
 
 -- Writes a probe schedule admitd computed (`spec.f`: field, value pairs) into the state hash
@@ -1340,6 +1449,7 @@ local function op_slice()
 end
 
 local ops = {decide = op_decide, release = op_release, upstream = op_upstream, refund = op_refund,
+  answers = op_answers,
   charge = op_charge,
   snapshot = op_snapshot, task = op_task, poll = op_poll, renew = op_renew, probe = op_probe,
   slice = op_slice}

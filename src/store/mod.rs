@@ -16,6 +16,7 @@
 
 use std::sync::Arc;
 
+mod answers;
 mod cross;
 mod error;
 pub mod keys;

@@ -112,6 +112,8 @@ pub struct RedisStore {
     telemetry: Telemetry,
     /// This replica's slices of cross-tenant buckets (a cluster with `[store] slice`).
     pub(super) slices: Slices,
+    /// Shared upstreams' answers waiting to go to their shards (a cluster; see [`super::answers`]).
+    pub(super) answers: super::answers::Answers,
     last_error: parking_lot::Mutex<String>,
     /// Connections made so far (see [`Conns::Single`]).
     generation: std::sync::atomic::AtomicU64,
@@ -171,6 +173,7 @@ impl RedisStore {
             runtime,
             telemetry,
             slices: Slices::default(),
+            answers: Default::default(),
             last_error: parking_lot::Mutex::new("not connected yet".into()),
             generation: std::sync::atomic::AtomicU64::new(0),
             answered_ms: std::sync::atomic::AtomicU64::new(0),
@@ -199,6 +202,10 @@ impl RedisStore {
         store.publish_mode();
         let watch = Arc::clone(&store);
         store.runtime.spawn(async move { watch.watch_idle().await });
+        if store.cfg.cluster {
+            let sender = Arc::clone(&store);
+            store.runtime.spawn(sender.send_answers_every());
+        }
         Ok(store)
     }
 
@@ -668,23 +675,15 @@ impl RedisStore {
         if let Some(probe) = parts.get(8) {
             self.write_probe(&tenant, probe, limited).await;
         }
-        // A shared upstream in a cluster: its state lives on another shard.
+        // A shared upstream in a cluster: its state lives on another shard, where the answer goes
+        // at once, with the others this replica gathers, or not at all (see `super::answers`).
         if !parts[5].is_empty() && report {
             if let Ok(u) = serde_json::from_str::<Value>(&parts[5]) {
-                // The upstream's state key routes the report to the upstream's shard.
-                let route = u["s"].as_str().unwrap_or_default().to_string();
-                let spec = json!({"u": u, "limited": limited, "ok": accepted, "healthy": healthy,
-                                  "retry_after": retry_after, "default_penalty": DEFAULT_PENALTY_US});
-                if let Ok(v) = self
-                    .invoke(&route, "upstream", spec.to_string(), String::new())
+                if let Ok(Some(p)) = self
+                    .report_shared(&tenant, u, limited, accepted, healthy, retry_after)
                     .await
                 {
-                    if let Ok(p) = strings(v) {
-                        penalty_us = p.get(1).and_then(|x| x.parse().ok()).unwrap_or(penalty_us);
-                        if let Some(probe) = p.get(2) {
-                            self.write_probe(&tenant, probe, limited).await;
-                        }
-                    }
+                    penalty_us = p;
                 }
                 if limited {
                     // This replica's slice of the upstream's bucket stops at once.
@@ -713,28 +712,33 @@ impl RedisStore {
     ) -> Result<Option<Duration>, StoreError> {
         let limited = status == 429;
         let (accepted, healthy) = crate::engine::feedback_answer(status);
-        let spec = json!({
-            "u": spec::report_spec(&self.keys, &tenant, &report, false),
-            "limited": limited,
-            "ok": accepted,
-            "healthy": healthy,
-            "retry_after": retry_after.map_or(-1.0, |d| d.as_micros() as f64),
-            "default_penalty": DEFAULT_PENALTY_US,
-        });
-        // A shared upstream's state is on its own shard in a cluster.
-        let route = if self.cfg.cluster && report.cross_tenant() {
-            self.key(&tenant, &report.state)
+        let retry_after = retry_after.map_or(-1.0, |d| d.as_micros() as f64);
+        let u = serde_json::to_value(spec::report_spec(&self.keys, &tenant, &report, false))
+            .map_err(|e| StoreError::Script(e.to_string()))?;
+        let us = if self.cfg.cluster && report.cross_tenant() {
+            // A shared upstream's state is on its own shard in a cluster.
+            self.report_shared(&tenant, u, limited, accepted, healthy, retry_after)
+                .await?
+                .unwrap_or(0.0)
         } else {
-            self.keys.tenant_base(&tenant)
+            let spec = json!({
+                "u": u,
+                "limited": limited,
+                "ok": accepted,
+                "healthy": healthy,
+                "retry_after": retry_after,
+                "default_penalty": DEFAULT_PENALTY_US,
+            });
+            let route = self.keys.tenant_base(&tenant);
+            let parts = strings(
+                self.invoke(&route, "upstream", spec.to_string(), String::new())
+                    .await?,
+            )?;
+            if let Some(probe) = parts.get(2) {
+                self.write_probe(&tenant, probe, limited).await;
+            }
+            parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0)
         };
-        let parts = strings(
-            self.invoke(&route, "upstream", spec.to_string(), String::new())
-                .await?,
-        )?;
-        let us: f64 = parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0);
-        if let Some(probe) = parts.get(2) {
-            self.write_probe(&tenant, probe, limited).await;
-        }
         if limited && report.cross_tenant() {
             // This replica's slice of the upstream's bucket stops at once.
             self.halt_shared(&tenant, &report.name, us).await;
@@ -742,12 +746,53 @@ impl RedisStore {
         Ok((us > 0.0).then(|| Duration::from_micros(us as u64)))
     }
 
+    /// A shared upstream's answer on a cluster (`u`: its report as the script reads it), on the
+    /// upstream's shard: at once (a 429, a 503), gathered with the others, or not sent when it
+    /// changes nothing there ([`super::answers`]). Returns the penalty it started, when it went at
+    /// once.
+    async fn report_shared(
+        self: &Arc<Self>,
+        tenant: &str,
+        u: Value,
+        limited: bool,
+        accepted: bool,
+        healthy: bool,
+        retry_after: f64,
+    ) -> Result<Option<f64>, StoreError> {
+        use super::answers::{route, Route};
+        match route(&u, limited, accepted, healthy) {
+            Route::Nothing => return Ok(None),
+            Route::Gather => {
+                self.gather(u, healthy);
+                return Ok(None);
+            }
+            Route::Now => {}
+        }
+        // The upstream's state key routes the report to the upstream's shard.
+        let state = u["s"].as_str().unwrap_or_default().to_string();
+        let probed = u.get("pr").is_some_and(|p| !p.is_null());
+        let before = self.gathered_before(&state, limited && probed).await;
+        let mut spec = json!({"u": u, "limited": limited, "ok": accepted, "healthy": healthy,
+                              "retry_after": retry_after, "default_penalty": DEFAULT_PENALTY_US});
+        if let Some(a) = before {
+            spec["a"] = a;
+        }
+        let v = self
+            .invoke(&state, "upstream", spec.to_string(), String::new())
+            .await?;
+        let p = strings(v)?;
+        if let Some(probe) = p.get(2) {
+            self.write_probe(tenant, probe, limited).await;
+        }
+        Ok(p.get(1).and_then(|x| x.parse().ok()))
+    }
+
     /// After an answer the script counted towards a probed upstream (`answer`: the probe part of
     /// its reply), writes the schedule admitd computed from it, when it moved. The write applies
     /// only if no other replica moved the schedule since the script read it; a lost write is
     /// dropped (the other replica's change already answers the same evidence), and so is a failed
     /// one: the next answer tries again.
-    async fn write_probe(self: &Arc<Self>, tenant: &str, answer: &str, limited: bool) {
+    pub(super) async fn write_probe(self: &Arc<Self>, tenant: &str, answer: &str, limited: bool) {
         if answer.is_empty() {
             return;
         }
