@@ -258,13 +258,25 @@ fn gathered_answers_change_the_state_as_the_same_answers_one_by_one() {
     // (what the upstream has, its state before)
     let cases: Vec<((bool, bool, f64), Vec<(&str, String)>)> = vec![
         // AIMD alone, after a cut: 7 recoveries of 0.05 from 0.5.
-        ((true, false, 0.0), vec![("m", "0.5".into()), ("cut", at(-1.0))]),
+        (
+            (true, false, 0.0),
+            vec![("m", "0.5".into()), ("cut", at(-1.0))],
+        ),
         // Near the top: the snap to 1 and no further.
-        ((true, false, 0.0), vec![("m", "0.93".into()), ("cut", at(-1.0))]),
+        (
+            (true, false, 0.0),
+            vec![("m", "0.93".into()), ("cut", at(-1.0))],
+        ),
         // A cut older than `forget`: back at 1, nothing to recover.
-        ((true, false, 0.0), vec![("m", "0.3".into()), ("cut", at(-200.0))]),
+        (
+            (true, false, 0.0),
+            vec![("m", "0.3".into()), ("cut", at(-200.0))],
+        ),
         // An adaptive window (with AIMD): every answer a request and an accept of this slot.
-        ((true, false, 30e6), vec![("m", "0.6".into()), ("cut", at(-1.0))]),
+        (
+            (true, false, 30e6),
+            vec![("m", "0.6".into()), ("cut", at(-1.0))],
+        ),
         // Probed, inside a probe past its ramp: counted towards it, the meter decays then adds.
         (
             (true, true, 0.0),
@@ -350,7 +362,9 @@ fn gathered_answers_count_at_their_own_instants() {
     // of now: the meter's last instant is the script's clock.
     let field = |f: &str| -> f64 {
         let v = r.cli(&["HGET", key, f]);
-        v.trim().parse().unwrap_or_else(|e| panic!("{f} = {v:?}: {e}: {out}"))
+        v.trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{f} = {v:?}: {e}: {out}"))
     };
     let now = field("st");
     // The meter as a sum of decaying terms, at `now`: each term decays from its own instant.
@@ -359,7 +373,10 @@ fn gathered_answers_count_at_their_own_instants() {
         + q * (-0.005_f64).exp()
         + 3.0 * q;
     let got = field("sv");
-    assert!((got - expected).abs() < 1e-12, "meter {got}, expected {expected}: {out}");
+    assert!(
+        (got - expected).abs() < 1e-12,
+        "meter {got}, expected {expected}: {out}"
+    );
     // Past the ramp (1 s after the probe's start): the answers of 5 ms ago and now, not those of
     // 400 ms ago.
     let pa = at(-1.2);

@@ -238,7 +238,10 @@ mod tests {
         a.put("S", u.clone(), 11, true);
         a.put("T", u, 11, true);
         let g = a.take("S").unwrap();
-        assert_eq!(ages(&g, 20), json!([[10000, 2, 0], [9000, 1, 0], [8000, 0, 1]]));
+        assert_eq!(
+            ages(&g, 20),
+            json!([[10000, 2, 0], [9000, 1, 0], [8000, 0, 1]])
+        );
         assert!(a.take("S").is_none());
         assert_eq!(a.take_all().len(), 1);
     }
