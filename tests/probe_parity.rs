@@ -245,6 +245,9 @@ fn batch(r: &RedisServer, ops: &[(&str, Value)]) -> String {
     r.cli(&args)
 }
 
+/// What a shared upstream has: AIMD, probing, an adaptive window (microseconds, 0: none).
+type Has = (bool, bool, f64);
+
 #[test]
 fn gathered_answers_change_the_state_as_the_same_answers_one_by_one() {
     let r = RedisServer::start();
@@ -256,7 +259,7 @@ fn gathered_answers_change_the_state_as_the_same_answers_one_by_one() {
     let t = store_now(&r);
     let at = |s: f64| format!("{}", (t + s * US).round());
     // (what the upstream has, its state before)
-    let cases: Vec<((bool, bool, f64), Vec<(&str, String)>)> = vec![
+    let cases: Vec<(Has, Vec<(&str, String)>)> = vec![
         // AIMD alone, after a cut: 7 recoveries of 0.05 from 0.5.
         (
             (true, false, 0.0),

@@ -494,8 +494,8 @@ fn commands_per_shard() {
 
 /// The same with every call's tool behind a `shared = true` upstream (its budget as generous as the
 /// global bucket's): a decision then spends two cross-tenant buckets on two other shards (the
-/// upstream's `{u:api}` and the global `{x}`), or neither, from slices. Admissions only: a
-/// release would report the upstream's answer on its shard, one call each.
+/// upstream's `{u:api}` and the global `{x}`), or neither, from slices. Admissions only (a
+/// release's report of the upstream's answer reaches its shard gathered, a few calls a second).
 /// `cargo test --release --test slices -- --ignored --nocapture commands_per_shard`
 #[test]
 #[ignore = "a measurement, not a check"]
