@@ -728,3 +728,48 @@ fn healthy_releases_of_a_shared_upstream_reach_its_shard_gathered_and_still_reco
         "the multiplier {m} after the cut to {cut} and three healthy answers"
     );
 }
+
+/// The requests and accepts `{u:search}`'s adaptive window holds on `node`.
+fn window(cluster: &RedisCluster, node: usize) -> (u64, u64) {
+    let all = cluster.nodes()[node].cli(&["HGETALL", "admitd:{u:search}:up"]);
+    let lines: Vec<&str> = all.lines().map(str::trim).collect();
+    let mut out = (0, 0);
+    for kv in lines.chunks(2).filter(|kv| kv.len() == 2) {
+        let n: u64 = kv[1].parse().unwrap_or(0);
+        if kv[0].starts_with("r:") {
+            out.0 += n;
+        } else if kv[0].starts_with("a:") {
+            out.1 += n;
+        }
+    }
+    out
+}
+
+#[test]
+fn answers_gathered_before_a_503_or_a_429_are_counted_with_it() {
+    let cluster = RedisCluster::start(3);
+    let cfg = shared_config(&cluster.url())
+        .replace("burst = 100000\n", "burst = 100000\nconcurrency = 1000\n");
+    let d = Daemon::start(&cfg);
+    let leases = hold(&d, "hooli", "query", 12);
+    let search = node_of(&cluster, "u:search");
+    // Five healthy answers, then a 503: once the 503's release is answered, the window holds all
+    // six (the five counted first, with it or just before).
+    for lease in &leases[..5] {
+        release_with(&d, lease, "ok", Some(200));
+    }
+    release_with(&d, &leases[5], "error", Some(503));
+    assert_eq!(window(&cluster, search), (6, 5));
+    // The same before a 429 of this probed upstream: the five go first, then the 429.
+    for lease in &leases[6..11] {
+        release_with(&d, lease, "ok", Some(200));
+    }
+    let r = d.post(
+        "/v1/release",
+        json!({"lease_id": leases[11], "outcome": "upstream_rate_limited", "retry_after": "1"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(window(&cluster, search), (12, 10));
+    let m = multiplier(&cluster, search);
+    assert!(m < 0.9, "the multiplier after the 429: {m}");
+}
