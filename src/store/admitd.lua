@@ -603,11 +603,16 @@ local function probe_state(u)
   return cjson.encode({u = u, st = out})
 end
 
+-- A probed upstream's multiplier, ceiling, probe start, probe's served count and served meter
+-- (value, last update, start), as its state hash holds them.
+local function probe_read(u)
+  local h = redis.call('HMGET', u.s, 'm', 'c', 'pa', 'pu', 'sv', 'st', 's0')
+  return num(h[1], 1), num(h[2], 1), num(h[3], 0), num(h[4], 0), num(h[5], 0), num(h[6], 0), num(h[7], 0)
+end
+
 local function probe_answer(u, limited)
   local pr = u.pr
-  local h = redis.call('HMGET', u.s, 'm', 'c', 'pa', 'pu', 'sv', 'st', 's0')
-  local m, c, pa, pu = num(h[1], 1), num(h[2], 1), num(h[3], 0), num(h[4], 0)
-  local sv, st, s0 = num(h[5], 0), num(h[6], 0), num(h[7], 0)
+  local m, c, pa, pu, sv, st, s0 = probe_read(u)
   if not limited then
     if now - st > METER_RESTART * pr.tau then
       sv, s0 = 0, now
@@ -637,9 +642,7 @@ end
 -- decayed to that instant, and the meter restarts at an answer after a quiet spell as it would.
 local function probe_served(u, a)
   local pr = u.pr
-  local h = redis.call('HMGET', u.s, 'm', 'c', 'pa', 'pu', 'sv', 'st', 's0')
-  local m, c, pa, pu = num(h[1], 1), num(h[2], 1), num(h[3], 0), num(h[4], 0)
-  local sv, st, s0 = num(h[5], 0), num(h[6], 0), num(h[7], 0)
+  local m, c, pa, pu, sv, st, s0 = probe_read(u)
   local m0, pu0 = m, pu
   local hold = min(c * pr.h, 1)
   for _, e in ipairs(a) do
