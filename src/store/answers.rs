@@ -1,5 +1,7 @@
-//! A `shared = true` upstream's answers on a Redis Cluster, reported on the upstream's shard
-//! (`{u:NAME}`) without one script call there per call.
+//! An upstream's answers in the shared store, outside a decision: one reported without a lease
+//! (`POST /v1/feedback`), the probe schedule admitd computes from an answer, and, on a Redis
+//! Cluster, a `shared = true` upstream's answers reported on its own shard (`{u:NAME}`) without one
+//! script call there per call.
 //!
 //! Decisions that spend a shared upstream are taken from this replica's slices
 //! ([`super::slices`]), but every answer of the upstream (a release's, or `POST /v1/feedback`'s)
@@ -32,8 +34,10 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::redis::RedisStore;
-use super::spec::strings;
+use super::error::StoreError;
+use super::redis::{RedisStore, DEFAULT_PENALTY_US};
+use super::spec::{self, strings};
+use crate::engine::UpstreamReport;
 
 /// How long this replica gathers a shared upstream's answers before it sends them, at most: a
 /// tenth of a second, well under the life of a shared upstream's slice (250 ms), so the state the
@@ -183,6 +187,116 @@ impl RedisStore {
             tokio::time::sleep(GATHER_EVERY).await;
             self.send_answers().await;
         }
+    }
+}
+
+/// An upstream's answers in the store: one reported outside a lease (`POST /v1/feedback`), a
+/// shared upstream's on its own shard, and the probe schedule admitd computes from an answer.
+impl RedisStore {
+    /// An upstream's answer seen outside a lease; returns the penalty it started.
+    pub async fn report(
+        self: Arc<Self>,
+        tenant: Arc<str>,
+        report: UpstreamReport,
+        status: u16,
+        retry_after: Option<Duration>,
+    ) -> Result<Option<Duration>, StoreError> {
+        let limited = status == 429;
+        let (accepted, healthy) = crate::engine::feedback_answer(status);
+        let retry_after = retry_after.map_or(-1.0, |d| d.as_micros() as f64);
+        let u = serde_json::to_value(spec::report_spec(&self.keys, &tenant, &report, false))
+            .map_err(|e| StoreError::Script(e.to_string()))?;
+        let us = if self.cfg.cluster && report.cross_tenant() {
+            // A shared upstream's state is on its own shard in a cluster.
+            self.report_shared(&tenant, u, limited, accepted, healthy, retry_after)
+                .await?
+                .unwrap_or(0.0)
+        } else {
+            let spec = json!({
+                "u": u,
+                "limited": limited,
+                "ok": accepted,
+                "healthy": healthy,
+                "retry_after": retry_after,
+                "default_penalty": DEFAULT_PENALTY_US,
+            });
+            let route = self.keys.tenant_base(&tenant);
+            let parts = strings(
+                self.invoke(&route, "upstream", spec.to_string(), String::new())
+                    .await?,
+            )?;
+            if let Some(probe) = parts.get(2) {
+                self.write_probe(&tenant, probe, limited).await;
+            }
+            parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0)
+        };
+        if limited && report.cross_tenant() {
+            // This replica's slice of the upstream's bucket stops at once.
+            self.halt_shared(&tenant, &report.name, us).await;
+        }
+        Ok((us > 0.0).then(|| Duration::from_micros(us as u64)))
+    }
+
+    /// A shared upstream's answer on a cluster (`u`: its report as the script reads it), on the
+    /// upstream's shard: at once (a 429, a 503), gathered with the others, or not sent when it
+    /// changes nothing there ([`super::answers`]). Returns the penalty it started, when it went at
+    /// once.
+    pub(super) async fn report_shared(
+        self: &Arc<Self>,
+        tenant: &str,
+        u: Value,
+        limited: bool,
+        accepted: bool,
+        healthy: bool,
+        retry_after: f64,
+    ) -> Result<Option<f64>, StoreError> {
+        use super::answers::{route, Route};
+        match route(&u, limited, accepted, healthy) {
+            Route::Nothing => return Ok(None),
+            Route::Gather => {
+                self.gather(u, healthy);
+                return Ok(None);
+            }
+            Route::Now => {}
+        }
+        // The upstream's state key routes the report to the upstream's shard.
+        let state = u["s"].as_str().unwrap_or_default().to_string();
+        let probed = u.get("pr").is_some_and(|p| !p.is_null());
+        let before = self.gathered_before(&state, limited && probed).await;
+        let mut spec = json!({"u": u, "limited": limited, "ok": accepted, "healthy": healthy,
+                              "retry_after": retry_after, "default_penalty": DEFAULT_PENALTY_US});
+        if let Some(a) = before {
+            spec["a"] = a;
+        }
+        let v = self
+            .invoke(&state, "upstream", spec.to_string(), String::new())
+            .await?;
+        let p = strings(v)?;
+        if let Some(probe) = p.get(2) {
+            self.write_probe(tenant, probe, limited).await;
+        }
+        Ok(p.get(1).and_then(|x| x.parse().ok()))
+    }
+
+    /// After an answer the script counted towards a probed upstream (`answer`: the probe part of
+    /// its reply), writes the schedule admitd computed from it, when it moved. The write applies
+    /// only if no other replica moved the schedule since the script read it; a lost write is
+    /// dropped (the other replica's change already answers the same evidence), and so is a failed
+    /// one: the next answer tries again.
+    pub(super) async fn write_probe(self: &Arc<Self>, tenant: &str, answer: &str, limited: bool) {
+        if answer.is_empty() {
+            return;
+        }
+        let Some((state, spec)) = spec::probe_write(answer, limited) else {
+            return;
+        };
+        // Probed upstreams are shared ones: in a cluster, the state key routes to its shard.
+        let route = if self.cfg.cluster {
+            state
+        } else {
+            self.keys.tenant_base(tenant)
+        };
+        let _ = self.invoke(&route, "probe", spec, String::new()).await;
     }
 }
 

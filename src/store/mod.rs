@@ -22,6 +22,7 @@ mod error;
 pub mod keys;
 mod lane;
 mod nodes;
+mod pack;
 pub mod redis;
 pub mod script;
 pub mod slices;

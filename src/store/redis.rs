@@ -38,7 +38,6 @@ use super::StoreMode;
 use crate::config::{OnError, StoreConfig};
 use crate::engine::{
     ReleaseInfo, RemoteAnswer, RemoteCall, RemoteSnapshotPlan, RemoteSnapshotState, StateKey,
-    UpstreamReport,
 };
 use crate::telemetry::names;
 use crate::telemetry::Telemetry;
@@ -53,7 +52,7 @@ const IDLE_PING_LIMIT: Duration = Duration::from_secs(1);
 /// Failed calls in a row that mark the store down (a broken connection does at once).
 const FAILURES_TO_DOWN: u32 = 3;
 /// The penalty of a 429 reported without a Retry-After.
-const DEFAULT_PENALTY_US: f64 = 1e6;
+pub(super) const DEFAULT_PENALTY_US: f64 = 1e6;
 
 enum Conns {
     /// One server: the client each worker's lane connects with (`generation` counts the store's
@@ -700,112 +699,6 @@ impl RedisStore {
             penalty: (penalty_us > 0.0).then(|| Duration::from_micros(penalty_us as u64)),
             held_us: (now - hold_until).max(0.0),
         }))
-    }
-
-    /// An upstream's answer seen outside a lease; returns the penalty it started.
-    pub async fn report(
-        self: Arc<Self>,
-        tenant: Arc<str>,
-        report: UpstreamReport,
-        status: u16,
-        retry_after: Option<Duration>,
-    ) -> Result<Option<Duration>, StoreError> {
-        let limited = status == 429;
-        let (accepted, healthy) = crate::engine::feedback_answer(status);
-        let retry_after = retry_after.map_or(-1.0, |d| d.as_micros() as f64);
-        let u = serde_json::to_value(spec::report_spec(&self.keys, &tenant, &report, false))
-            .map_err(|e| StoreError::Script(e.to_string()))?;
-        let us = if self.cfg.cluster && report.cross_tenant() {
-            // A shared upstream's state is on its own shard in a cluster.
-            self.report_shared(&tenant, u, limited, accepted, healthy, retry_after)
-                .await?
-                .unwrap_or(0.0)
-        } else {
-            let spec = json!({
-                "u": u,
-                "limited": limited,
-                "ok": accepted,
-                "healthy": healthy,
-                "retry_after": retry_after,
-                "default_penalty": DEFAULT_PENALTY_US,
-            });
-            let route = self.keys.tenant_base(&tenant);
-            let parts = strings(
-                self.invoke(&route, "upstream", spec.to_string(), String::new())
-                    .await?,
-            )?;
-            if let Some(probe) = parts.get(2) {
-                self.write_probe(&tenant, probe, limited).await;
-            }
-            parts.get(1).and_then(|x| x.parse().ok()).unwrap_or(0.0)
-        };
-        if limited && report.cross_tenant() {
-            // This replica's slice of the upstream's bucket stops at once.
-            self.halt_shared(&tenant, &report.name, us).await;
-        }
-        Ok((us > 0.0).then(|| Duration::from_micros(us as u64)))
-    }
-
-    /// A shared upstream's answer on a cluster (`u`: its report as the script reads it), on the
-    /// upstream's shard: at once (a 429, a 503), gathered with the others, or not sent when it
-    /// changes nothing there ([`super::answers`]). Returns the penalty it started, when it went at
-    /// once.
-    async fn report_shared(
-        self: &Arc<Self>,
-        tenant: &str,
-        u: Value,
-        limited: bool,
-        accepted: bool,
-        healthy: bool,
-        retry_after: f64,
-    ) -> Result<Option<f64>, StoreError> {
-        use super::answers::{route, Route};
-        match route(&u, limited, accepted, healthy) {
-            Route::Nothing => return Ok(None),
-            Route::Gather => {
-                self.gather(u, healthy);
-                return Ok(None);
-            }
-            Route::Now => {}
-        }
-        // The upstream's state key routes the report to the upstream's shard.
-        let state = u["s"].as_str().unwrap_or_default().to_string();
-        let probed = u.get("pr").is_some_and(|p| !p.is_null());
-        let before = self.gathered_before(&state, limited && probed).await;
-        let mut spec = json!({"u": u, "limited": limited, "ok": accepted, "healthy": healthy,
-                              "retry_after": retry_after, "default_penalty": DEFAULT_PENALTY_US});
-        if let Some(a) = before {
-            spec["a"] = a;
-        }
-        let v = self
-            .invoke(&state, "upstream", spec.to_string(), String::new())
-            .await?;
-        let p = strings(v)?;
-        if let Some(probe) = p.get(2) {
-            self.write_probe(tenant, probe, limited).await;
-        }
-        Ok(p.get(1).and_then(|x| x.parse().ok()))
-    }
-
-    /// After an answer the script counted towards a probed upstream (`answer`: the probe part of
-    /// its reply), writes the schedule admitd computed from it, when it moved. The write applies
-    /// only if no other replica moved the schedule since the script read it; a lost write is
-    /// dropped (the other replica's change already answers the same evidence), and so is a failed
-    /// one: the next answer tries again.
-    pub(super) async fn write_probe(self: &Arc<Self>, tenant: &str, answer: &str, limited: bool) {
-        if answer.is_empty() {
-            return;
-        }
-        let Some((state, spec)) = spec::probe_write(answer, limited) else {
-            return;
-        };
-        // Probed upstreams are shared ones: in a cluster, the state key routes to its shard.
-        let route = if self.cfg.cluster {
-            state
-        } else {
-            self.keys.tenant_base(tenant)
-        };
-        let _ = self.invoke(&route, "probe", spec, String::new()).await;
     }
 
     /// Reads a tenant's state for its snapshot.

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::error::StoreError;
 use super::keys::{cat, hash_tag, hex16, Keys};
+use super::pack::Pack;
 use crate::config::{Aimd, Probing};
 use crate::engine::probe::{self, StoredProbe};
 use crate::engine::{
@@ -299,99 +300,6 @@ pub(super) fn release_spec(keys: &Keys, tenant: &str, lease: u64, r: ReleaseSpec
         p.num(*x);
     }
     p.0
-}
-
-/// MessagePack scalars, as the script's `cmsgpack.unpack` reads them back one by one.
-#[derive(Default)]
-pub(super) struct Pack(pub(super) Vec<u8>);
-
-impl Pack {
-    /// A buffer for a decision's spec or its lease's data (a few hundred bytes each), sized so that
-    /// packing rarely grows it: grown from empty, each buffer took a reallocation and a copy at
-    /// every doubling (`scripts/count.sh` in Redis mode counts the instructions this saves).
-    fn sized() -> Self {
-        Pack(Vec::with_capacity(512))
-    }
-
-    fn nil(&mut self) {
-        self.0.push(0xc0);
-    }
-
-    fn bool(&mut self, b: bool) {
-        self.0.push(if b { 0xc3 } else { 0xc2 });
-    }
-
-    /// A number: a small whole one in one byte, any other as a double (exact, as the script
-    /// computes with doubles).
-    fn num(&mut self, x: f64) {
-        if (0.0..128.0).contains(&x) && x.fract() == 0.0 {
-            self.0.push(x as u8);
-        } else {
-            self.0.push(0xcb);
-            self.0.extend_from_slice(&x.to_be_bytes());
-        }
-    }
-
-    fn str(&mut self, s: &str) {
-        self.str_head(s.len());
-        self.0.extend_from_slice(s.as_bytes());
-    }
-
-    /// The header of a string of `n` bytes.
-    fn str_head(&mut self, n: usize) {
-        if n < 32 {
-            self.0.push(0xa0 | n as u8);
-        } else if n < 0x100 {
-            self.0.extend_from_slice(&[0xd9, n as u8]);
-        } else if n < 0x1_0000 {
-            self.0.push(0xda);
-            self.0.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.0.push(0xdb);
-            self.0.extend_from_slice(&(n as u32).to_be_bytes());
-        }
-    }
-
-    /// A string made of `parts`, written without joining them first.
-    fn str_parts(&mut self, parts: &[&str]) {
-        let n: usize = parts.iter().map(|s| s.len()).sum();
-        self.str_head(n);
-        for s in parts {
-            self.0.extend_from_slice(s.as_bytes());
-        }
-    }
-
-    fn strs(&mut self, v: &[&str]) {
-        self.array(v.len());
-        for s in v {
-            self.str(s);
-        }
-    }
-
-    fn array(&mut self, n: usize) {
-        if n < 16 {
-            self.0.push(0x90 | n as u8);
-        } else {
-            self.0.push(0xdd);
-            self.0.extend_from_slice(&(n as u32).to_be_bytes());
-        }
-    }
-
-    fn map(&mut self, n: usize) {
-        if n < 16 {
-            self.0.push(0x80 | n as u8);
-        } else {
-            self.0.push(0xdf);
-            self.0.extend_from_slice(&(n as u32).to_be_bytes());
-        }
-    }
-
-    fn opt_str(&mut self, s: Option<&str>) {
-        match s {
-            Some(s) => self.str(s),
-            None => self.nil(),
-        }
-    }
 }
 
 pub(super) fn report_spec<'a>(
