@@ -66,7 +66,7 @@ pub(super) struct Lanes {
     script: redis::Script,
     /// Its source, for `SCRIPT LOAD` on a lane's own connection.
     source: Arc<str>,
-    /// How many batches one lane keeps in flight (at least two).
+    /// How many batches one lane keeps in flight (`pool_size`, at least one).
     in_flight: usize,
     /// How long a lane's connection may take to open.
     connect_limit: Duration,
@@ -136,7 +136,7 @@ impl Lanes {
     /// A worker's lane: its own connection, driven on the worker's thread (so an answer wakes the
     /// worker directly, with no other thread between), and its batcher. One script call carries
     /// every operation queued since the last one left, up to [`MAX_BATCH`], with at most
-    /// `pool_size` (at least two) batches in flight. Under light load a batch is one operation and
+    /// `pool_size` batches in flight. Under light load a batch is one operation and
     /// leaves at once; under load the operations that arrive while Redis runs a batch go together
     /// in the next, so the per-call costs on both sides (the script call, a command's framing, the
     /// wake-ups) are paid once per batch. Each operation in a batch is still decided on its own,
@@ -350,47 +350,29 @@ impl Lanes {
 
     /// A batch's script call, written as RESP into `out`.
     fn batch_wire(&self, out: &mut Vec<u8>, batch: &[Queued]) {
-        let per_op = if self.routed { 4 } else { 3 };
-        let bytes: usize = batch
-            .iter()
-            .map(|q| {
-                wire::arg_len(q.op.as_bytes())
-                    + wire::arg_len(&q.spec)
-                    + wire::arg_len(&q.data)
-                    + if self.routed {
-                        wire::arg_len(q.route.as_bytes())
-                    } else {
-                        0
-                    }
-            })
-            .sum();
-        out.reserve(128 + batch[0].route.len() + bytes);
-        wire::header(
-            out,
-            b'*',
-            5 + per_op * batch.len() - usize::from(self.routed),
-        );
-        wire::arg(out, b"EVALSHA");
-        wire::arg(out, self.script.get_hash().as_bytes());
+        let args = self.batch_args(batch);
+        out.reserve(args.iter().map(|a| wire::arg_len(a)).sum::<usize>() + 16);
+        wire::command(out, &args);
+    }
+
+    /// A batch's script call, as its arguments: `EVALSHA`, the script, one declared key (the first
+    /// operation's) and `batch`, then each operation's name, spec and data; on a cluster no key and
+    /// `routed`, each operation led by the key that proves its node ([`super::nodes`]).
+    fn batch_args<'a>(&'a self, batch: &'a [Queued]) -> Vec<&'a [u8]> {
+        let mut args: Vec<&[u8]> = Vec::with_capacity(5 + 4 * batch.len());
+        args.extend([b"EVALSHA" as &[u8], self.script.get_hash().as_bytes()]);
         if self.routed {
-            wire::arg(out, b"0");
-            wire::arg(out, b"routed");
+            args.extend([b"0" as &[u8], b"routed"]);
             for q in batch {
-                wire::arg(out, q.route.as_bytes());
-                wire::arg(out, q.op.as_bytes());
-                wire::arg(out, &q.spec);
-                wire::arg(out, &q.data);
+                args.extend([q.route.as_bytes(), q.op.as_bytes(), &q.spec, &q.data]);
             }
         } else {
-            wire::arg(out, b"1");
-            wire::arg(out, batch[0].route.as_bytes());
-            wire::arg(out, b"batch");
+            args.extend([b"1" as &[u8], batch[0].route.as_bytes(), b"batch"]);
             for q in batch {
-                wire::arg(out, q.op.as_bytes());
-                wire::arg(out, &q.spec);
-                wire::arg(out, &q.data);
+                args.extend([q.op.as_bytes(), &q.spec[..], &q.data[..]]);
             }
         }
+        args
     }
 
     /// Sends a batch as one script call (`batch`, even of one operation: an error then answers for
@@ -418,35 +400,14 @@ impl Lanes {
         deliver(batch, sent);
     }
 
-    /// A batch's script call (`EVALSHA`), written straight into one command sized for the whole
-    /// batch. `redis::ScriptInvocation` copied every argument into a buffer of its own first and
-    /// grew its lists as they came: three allocations and a copy more per operation (callgrind,
-    /// `scripts/count.sh` in Redis mode: building the call 1 500 -> 1 000 instructions per
-    /// admission).
+    /// A batch's script call as the client library sends it (`rediss://`), in one command sized
+    /// for the whole batch.
     fn batch_cmd(&self, batch: &[Queued]) -> redis::Cmd {
-        let per_op = if self.routed { 4 } else { 3 };
-        let bytes: usize = batch
-            .iter()
-            .map(|q| {
-                q.op.len()
-                    + q.spec.len()
-                    + q.data.len()
-                    + if self.routed { q.route.len() } else { 0 }
-            })
-            .sum();
-        let mut cmd =
-            redis::Cmd::with_capacity(5 + per_op * batch.len(), 64 + batch[0].route.len() + bytes);
-        cmd.arg("EVALSHA").arg(self.script.get_hash());
-        if self.routed {
-            cmd.arg(0).arg("routed");
-            for q in batch {
-                cmd.arg(&q.route).arg(q.op).arg(&q.spec).arg(&q.data);
-            }
-        } else {
-            cmd.arg(1).arg(&batch[0].route).arg("batch");
-            for q in batch {
-                cmd.arg(q.op).arg(&q.spec).arg(&q.data);
-            }
+        let args = self.batch_args(batch);
+        let bytes = args.iter().map(|a| a.len()).sum();
+        let mut cmd = redis::Cmd::with_capacity(args.len(), bytes);
+        for a in args {
+            cmd.arg(a);
         }
         cmd
     }
