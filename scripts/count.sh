@@ -16,7 +16,12 @@
 # TOP [25] > 0, the functions whose own instructions per request changed the most. Needs valgrind
 # (callgrind_control, callgrind_annotate) and a release build. Environment: CONFIG
 # [benches/throughput.toml], ADMITD [target/release/admitd] (another build to compare), OUT
-# [target/count], PORT [19490], SERVER_CPU [0], CLIENT_CPU [1].
+# [target/count], PORT [19490], SERVER_CPU [0], CLIENT_CPU [1]. STORE=redis counts admitd on the
+# shared store: a redis-server (not counted) is started on REDIS_PORT [19489] on the client's core,
+# benches/store.toml is appended to CONFIG with its url, and Redis is emptied before each count. At
+# these rates every decision is a script call of its own, so this is Redis mode's dearest case for
+# admitd (nothing is shared by a batch); docs/BENCHMARKS.md, "Shared store (Redis)", compares it with
+# memory mode's count.
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,12 +50,31 @@ mkdir -p "$OUT"
 name=${SERVER:-admitd}
 
 server_pid=""
-trap '[[ -n $server_pid ]] && kill "$server_pid" 2>/dev/null; true' EXIT
+redis_pid=""
+trap '[[ -n $server_pid ]] && kill "$server_pid" 2>/dev/null; [[ -n $redis_pid ]] && kill "$redis_pid" 2>/dev/null; true' EXIT
+
+if [[ ${STORE:-memory} == redis ]]; then
+    REDIS_PORT=${REDIS_PORT:-19489}
+    command -v redis-server >/dev/null || { echo "count.sh: STORE=redis needs redis-server" >&2; exit 1; }
+    taskset -c "$CLIENT_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
+        >"$OUT/redis.log" 2>&1 &
+    redis_pid=$!
+    for _ in $(seq 50); do
+        redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    redis-cli -p "$REDIS_PORT" ping >/dev/null || { echo "count.sh: redis-server did not start (see $OUT/redis.log)" >&2; exit 1; }
+    { cat "$CONFIG"; echo
+      sed "s|^url = .*|url = \"redis://127.0.0.1:$REDIS_PORT\"|" benches/store.toml; } >"$OUT/store.toml"
+    CONFIG=$OUT/store.toml
+    name=$name-redis
+fi
 
 # count RATE: one server under callgrind, warmed up, then RATE requests/s counted for SECS seconds.
 count() {
     local rate=$1 file=$OUT/$name.$1.callgrind
     rm -f "$file" "$file".*
+    [[ -z $redis_pid ]] || redis-cli -p "$REDIS_PORT" flushall >/dev/null
     if [[ $name == floor ]]; then
         taskset -c "$SERVER_CPU" valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$file" \
             "$LOADGEN" --floor-only "$PORT" --lifetime 600 >"$OUT/$name.log" 2>&1 &

@@ -61,18 +61,50 @@ pub(super) fn parse(buf: &[u8]) -> Result<Option<(Frame, usize)>, String> {
 
 type Parsed = Option<(Result<redis::Value, String>, usize)>;
 
-/// The line that starts at `at` (without its CRLF) and where the next one starts.
+/// The line that starts at `at` (without its CRLF) and where the next one starts. Lines of a reply
+/// are short (a length, a number, `OK`): a scan for CR, then its LF, and digits read in place cost
+/// 1 100 fewer instructions per admission (of 55 500, one decision per script call) than a search
+/// for the two-byte pattern and `str::from_utf8` + `str::parse` (`STORE=redis scripts/count.sh`).
 fn line(buf: &[u8], at: usize) -> Option<(&[u8], usize)> {
     let rest = buf.get(at..)?;
-    let n = rest.windows(2).position(|w| w == b"\r\n")?;
-    Some((&rest[..n], at + n + 2))
+    let mut from = 0;
+    loop {
+        let n = from + rest.get(from..)?.iter().position(|&b| b == b'\r')?;
+        if *rest.get(n + 1)? == b'\n' {
+            return Some((&rest[..n], at + n + 2));
+        }
+        from = n + 1;
+    }
 }
 
+/// A decimal integer of a reply (a length, a `:` number): optional `-`, then digits.
 fn int(s: &[u8]) -> Result<i64, String> {
-    std::str::from_utf8(s)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("not a number in a reply: {:?}", String::from_utf8_lossy(s)))
+    let bad = || format!("not a number in a reply: {:?}", String::from_utf8_lossy(s));
+    let (negative, digits) = match s {
+        [b'-', rest @ ..] => (true, rest),
+        _ => (false, s),
+    };
+    if digits.is_empty() {
+        return Err(bad());
+    }
+    let mut n: i64 = 0;
+    for &d in digits {
+        if !d.is_ascii_digit() {
+            return Err(bad());
+        }
+        let d = i64::from(d - b'0');
+        n = n
+            .checked_mul(10)
+            .and_then(|n| {
+                if negative {
+                    n.checked_sub(d)
+                } else {
+                    n.checked_add(d)
+                }
+            })
+            .ok_or_else(bad)?;
+    }
+    Ok(n)
 }
 
 fn value(buf: &[u8], at: usize) -> Result<Parsed, String> {
@@ -236,6 +268,21 @@ mod tests {
     }
 
     #[test]
+    fn integers_to_the_ends_of_i64_and_a_cr_inside_a_line() {
+        for n in [0, 7, -1, 1234567890123, i64::MAX, i64::MIN] {
+            let wire = format!(":{n}\r\n");
+            let (frame, used) = parse(wire.as_bytes()).unwrap().unwrap();
+            assert_eq!((frame, used), (Frame::Value(Value::Int(n)), wire.len()));
+        }
+        // A CR not followed by LF is part of the line (only CRLF ends it).
+        let (frame, used) = parse(b"+a\rb\r\n:1\r\n").unwrap().unwrap();
+        assert_eq!(frame, Frame::Value(Value::SimpleString("a\rb".into())));
+        assert_eq!(used, 6);
+        // A line whose CR is the last byte so far waits for its LF.
+        assert_eq!(parse(b":12\r").unwrap(), None);
+    }
+
+    #[test]
     fn a_reply_cut_anywhere_waits_for_the_rest() {
         let wire = b"*3\r\n$5\r\nhello\r\n:7\r\n*1\r\n$-1\r\n";
         for cut in 0..wire.len() {
@@ -246,7 +293,17 @@ mod tests {
 
     #[test]
     fn bytes_that_are_no_reply_are_an_error_not_a_panic() {
-        for bad in [&b"?x\r\n"[..], b":1x\r\n", b"$3\r\nabcde\r\n", b"*z\r\n"] {
+        for bad in [
+            &b"?x\r\n"[..],
+            b":1x\r\n",
+            b"$3\r\nabcde\r\n",
+            b"*z\r\n",
+            b":-\r\n",
+            b":\r\n",
+            b":+5\r\n",
+            b":9223372036854775808\r\n",
+            b"$-\r\n",
+        ] {
             assert!(parse(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
     }
