@@ -406,16 +406,22 @@ pub(super) fn probe_write(answer: &str, limited: bool) -> Option<(String, String
 
 /// Appends a number as the script writes it: integers without a fraction.
 fn push_num(out: &mut String, x: f64) {
-    if x.fract() == 0.0 && x.abs() < 9e15 {
+    if whole(x) {
         out.push_str(itoa::Buffer::new().format(x as i64));
     } else {
         out.push_str(&fmt_num(x));
     }
 }
 
+/// Whether `x` is a whole number below 9e15 in size, asked of the cast back rather than of
+/// `f64::fract` (a call into libm on x86-64's baseline).
+fn whole(x: f64) -> bool {
+    x.abs() < 9e15 && (x as i64) as f64 == x
+}
+
 /// A number as the script writes it: integers without a fraction.
 fn fmt_num(x: f64) -> String {
-    if x.fract() == 0.0 && x.abs() < 9e15 {
+    if whole(x) {
         format!("{}", x as i64)
     } else {
         format!("{x:.17e}")
