@@ -58,6 +58,8 @@ def mp(*items):
         if x is None: out.append(b'\xc0')
         elif x is True: out.append(b'\xc3')
         elif x is False: out.append(b'\xc2')
+        # As src/store/pack.rs writes a number: a small whole one in one byte, any other a double.
+        elif isinstance(x, (int, float)) and 0 <= x < 128 and x == int(x): out.append(bytes([int(x)]))
         elif isinstance(x, (int, float)): out.append(b'\xcb' + struct.pack('>d', x))
         elif isinstance(x, list): out.append(bytes([0x90 | len(x)]) + mp(*x))
         elif isinstance(x, dict):
