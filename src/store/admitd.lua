@@ -141,7 +141,12 @@ local cache, dirty = {}, {}
 local function entry(key)
   local e = cache[key]
   if e == nil then
-    e = {v = {}, d = {}, need = 0, dirty = false}
+    -- Room for 8 fields in each table (a decision's tenant hash holds 7: x, z, two counts, two
+    -- `tat`s and the lease): a table grown key by key is rehashed at its 1st, 2nd, 3rd and 5th key.
+    -- A constructor's `k = v` items size its hash part, and a key set to nil takes no field's place
+    -- nor shows in `pairs`: `x` named 8 times is one key and room for 8.
+    e = {v = {x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil},
+      d = {x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil}, need = 0, dirty = false}
     cache[key] = e
   end
   return e
@@ -241,7 +246,8 @@ local function flush()
       e.v.x = fmt(x)
       e.d.x = true
     end
-    local set, del, n = {}, nil, 0
+    -- Room for 8 fields (a list's items in a constructor, nil ones too, size its array part).
+    local set, del, n = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}, nil, 0
     for f in pairs(e.d) do
       local v = e.v[f]
       if v then
@@ -823,7 +829,9 @@ local function op_decide()
   layer_end = FIRST + a[20] * LW
   local conc0 = layer_end + 1                     -- the first concurrency scope's offset
   local conc_end = conc0 + a[layer_end] * CW
-  local more = {}
+  -- Room for the tenant hash's fields (the lease set's cursor, the scopes' counts, the layers'
+  -- `tat`s) without a rehash as the list grows.
+  local more = {nil, nil, nil, nil, nil, nil, nil, nil}
   if own then
     more[1] = 'z'
     if a[16] then more[2] = 'ix' end
@@ -1016,7 +1024,8 @@ local function op_decide()
       expire_at(u.t, (day + 1) * DAY + KEEP)
     end
   end
-  local r = layer_report(a, {'ok', hold == 0 and '0' or fmt(hold)}, true)
+  -- Room for four layers' report (a list grown item by item is rehashed at its 3rd and 5th item).
+  local r = layer_report(a, {'ok', hold == 0 and '0' or fmt(hold), nil, nil, nil, nil, nil, nil, nil, nil}, true)
   for _, u in ipairs(spend) do
     for _, b in ipairs(u.b) do r[#r + 1] = fmt(b.left) end
   end
