@@ -845,7 +845,9 @@ local function op_decide()
   -- Upstream penalty: refused until the upstream's Retry-After has passed, promised the slot of the
   -- upstream's bucket after it (or a staggered instant, for an upstream without a bucket).
   local pen_wait, pen = 0, nil
-  for _, p in ipairs(pens) do
+  -- The rare lists are walked by index: `ipairs` is two C calls even over an empty list.
+  for i = 1, #pens do
+    local p = pens[i]
     local untl = num(redis.call('HGET', p.k, 'until'), 0)
     if untl > now and untl - now > pen_wait then pen_wait, pen = untl - now, p end
   end
@@ -865,7 +867,8 @@ local function op_decide()
   end
 
   -- Adaptive throttling: refuse locally with the SRE probability over the upstream's window.
-  for _, w in ipairs(ads) do
+  for i = 1, #ads do
+    local w = ads[i]
     local req, acc = sre_totals(w.k, w.w)
     local prob = reject_probability(req, acc, w.K, w.min or 0)
     if a[13] < prob then
@@ -941,7 +944,8 @@ local function op_decide()
 
   -- Daily quota per UTC day of the store's clock.
   local day = floor(now / DAY)
-  for _, q in ipairs(quotas) do
+  for i = 1, #quotas do
+    local q = quotas[i]
     local used = num(redis.call('HGET', q.k, DAYS), 0)
     if used + a[8] > q.q + 1e-9 then
       local wait = (day + 1) * DAY - now
@@ -953,7 +957,8 @@ local function op_decide()
   -- (a hash by day, like a quota), a run's while the run is remembered (a counter that expires
   -- `idle` after the run's last call). A budget may be below zero (a call cost more than its
   -- estimate): it then refuses until it is back above the estimate.
-  for ui, u in ipairs(spend) do
+  for ui = 1, #spend do
+    local u = spend[ui]
     for bi, b in ipairs(u.b) do
       local used
       if b.run then used = num(redis.call('GET', b.k), 0) else used = num(redis.call('HGET', b.k, DAYS), 0) end
@@ -1003,11 +1008,13 @@ local function op_decide()
     tat = tat + a[o + 12]
     hput(a[o], a[o + 1], tat, tat + GRACE)
   end
-  for _, q in ipairs(quotas) do
+  for i = 1, #quotas do
+    local q = quotas[i]
     redis.call('HINCRBYFLOAT', q.k, DAYS, fmt(a[8]))
     expire_at(q.k, (day + 1) * DAY + KEEP)
   end
-  for _, u in ipairs(spend) do
+  for i = 1, #spend do
+    local u = spend[i]
     for _, b in ipairs(u.b) do
       if b.run then
         if u.n ~= 0 then redis.call('INCRBYFLOAT', b.k, fmt(u.n)) end
@@ -1026,8 +1033,8 @@ local function op_decide()
   end
   -- Room for four layers' report (a list grown item by item is rehashed at its 3rd and 5th item).
   local r = layer_report(a, {'ok', hold == 0 and '0' or fmt(hold), nil, nil, nil, nil, nil, nil, nil, nil}, true)
-  for _, u in ipairs(spend) do
-    for _, b in ipairs(u.b) do r[#r + 1] = fmt(b.left) end
+  for i = 1, #spend do
+    for _, b in ipairs(spend[i].b) do r[#r + 1] = fmt(b.left) end
   end
   if not own then
     -- A cross-tenant part of a cluster's call (no spend budget: those are the tenant's): what each
