@@ -486,8 +486,9 @@ end
 
 -- A live lease of the tenant's hash `h`, parsed; nil when there is none (or it has ended).
 local function read_lease(h, id)
-  load(h, {'l:' .. id})
-  local v = hget(h, 'l:' .. id)
+  local f = 'l:' .. id
+  load(h, {f})
+  local v = hget(h, f)
   if not v then return nil end
   local day, hu, started, ends, incs, flags, d =
     match(v, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
@@ -499,11 +500,18 @@ end
 
 -- The counts of a lease-set member (`ID` + scopes + subject) move by `by`.
 local function count(h, member, by)
-  local scopes, subject = sub(member, 17, 17), sub(member, 18)
-  local fields = {}
-  if scopes == 't' or scopes == 'b' then fields[#fields + 1] = 't|n' end
-  if scopes == 's' or scopes == 'b' then fields[#fields + 1] = 's:' .. subject .. '|n' end
-  if #fields == 0 then return end
+  local scopes = sub(member, 17, 17)
+  -- The list made whole (one grown item by item is rehashed at each).
+  local fields
+  if scopes == 'b' then
+    fields = {'t|n', 's:' .. sub(member, 18) .. '|n'}
+  elseif scopes == 't' then
+    fields = {'t|n'}
+  elseif scopes == 's' then
+    fields = {'s:' .. sub(member, 18) .. '|n'}
+  else
+    return
+  end
   load(h, fields)
   for _, f in ipairs(fields) do
     hput(h, f, max(hnum(h, f, 0) + by, 0))
@@ -1135,6 +1143,17 @@ local function release_spec(body)
   return s
 end
 
+-- What each layer of the lease `l` (its data `d`) took, as {key, field prefix, microseconds}: read
+-- only by a release that gives tokens back or settles a cost (decoding it for every release was a
+-- JSON decode and a table per layer).
+local function lease_incs(l, d)
+  local incs = {}
+  if l.flags ~= 'n' then
+    for i, v in ipairs(cjson.decode(l.incs)) do incs[i] = {d.keys[i][1], d.keys[i][2], v} end
+  end
+  return incs
+end
+
 local function op_release()
   local h = spec.h
   local l = read_lease(h, spec.id)
@@ -1142,17 +1161,12 @@ local function op_release()
   local d = lease_data(l.d)
   hput(h, 'l:' .. spec.id, nil)
   if redis.call('ZREM', spec.z, d.m) == 1 then count(h, d.m, -1) end
-  local incs = {}
-  if l.flags == 'n' then
-    d.cost, d.quotas = 0, {}
-  else
-    for i, v in ipairs(cjson.decode(l.incs)) do incs[i] = {d.keys[i][1], d.keys[i][2], v} end
-  end
+  if l.flags == 'n' then d.cost, d.quotas = 0, {} end
   -- refund: 'always' (a held caller went away), 'never' (an edge admission ends), or 'hold' (a
   -- cancellation refunds only while the call was still held: after that the call ran).
   local give_back = spec.refund == 'always' or (spec.refund == 'hold' and now < tonumber(l.hold_until))
   if give_back then
-    refund(incs)
+    refund(lease_incs(l, d))
     for _, q in ipairs(d.quotas) do
       local used = num(redis.call('HGET', q, l.day), 0)
       redis.call('HSET', q, l.day, fmt(max(used - d.cost, 0)))
@@ -1167,7 +1181,7 @@ local function op_release()
     local diff = d.cost - spec.cost
     if diff ~= 0 then
       local share = math.abs(diff) / d.cost
-      for _, kv in ipairs(incs) do
+      for _, kv in ipairs(lease_incs(l, d)) do
         local inc = floor(kv[3] * share)
         if inc > 0 and diff > 0 then
           refund({{kv[1], kv[2], inc}})
