@@ -124,10 +124,11 @@ local function keep_until(key, at, pushed)
   return at + SLACK
 end
 
--- Runs `cmd key item...` over `items` in chunks (Lua's unpack is bounded).
-local function chunked(cmd, key, items)
-  for i = 1, #items, 1000 do
-    redis.call(cmd, key, unpack(items, i, min(i + 999, #items)))
+-- Runs `cmd key item...` over `items` (its first `n`; nil: all) in chunks (Lua's unpack is bounded).
+local function chunked(cmd, key, items, n)
+  n = n or #items
+  for i = 1, n, 1000 do
+    redis.call(cmd, key, unpack(items, i, min(i + 999, n)))
   end
 end
 
@@ -236,6 +237,10 @@ local function keep(key, at)
 end
 
 local function flush()
+  -- One list of the fields to write for every hash (its first `n` items): a list made per hash
+  -- was a table to make and to collect per decision. Room for 8 fields (a list's items in a
+  -- constructor, nil ones too, size its array part).
+  local set = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}
   for _, key in ipairs(dirty) do
     local e = cache[key]
     local x = e.v.x
@@ -246,8 +251,7 @@ local function flush()
       e.v.x = fmt(x)
       e.d.x = true
     end
-    -- Room for 8 fields (a list's items in a constructor, nil ones too, size its array part).
-    local set, del, n = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}, nil, 0
+    local del, n = nil, 0
     for f in pairs(e.d) do
       local v = e.v[f]
       if v then
@@ -260,7 +264,7 @@ local function flush()
         del = {f}
       end
     end
-    if n > 0 then chunked('HSET', key, set) end
+    if n > 0 then chunked('HSET', key, set, n) end
     if del then chunked('HDEL', key, del) end
     if push then expire_at(key, x) end
     e.need, e.dirty = 0, false
