@@ -14,8 +14,15 @@ script ran per decision (INFO commandstats).
     python3 scripts/script_cost.py --script X.lua --calls 50
     python3 scripts/script_cost.py --warm 200      # keys seen before: a busy fleet's steady state
     python3 scripts/script_cost.py --release       # each decision and its release
+    python3 scripts/script_cost.py --warm 200 --server path/to/redis-server --top 40
+
+`--top N` prints the N functions of redis-server that ran the most instructions over the count
+(callgrind_annotate, exclusive): the Lua VM (luaV_execute), its tables (luaH_*) and strings
+(luaS_*), its garbage collector, the commands the script runs, or the script call's own machinery.
+Debian's redis-server is stripped and shows one line: `--server` runs another build (one of the
+same version, from Redis's source with its default flags, for the functions' names) instead.
 """
-import argparse, glob, os, random, socket, struct, subprocess, tempfile, time
+import argparse, glob, os, random, re, socket, struct, subprocess, tempfile, time
 
 def enc(*args):
     out = [b'*%d\r\n' % len(args)]
@@ -51,6 +58,8 @@ def mp(*items):
         if x is None: out.append(b'\xc0')
         elif x is True: out.append(b'\xc3')
         elif x is False: out.append(b'\xc2')
+        # As src/store/pack.rs writes a number: a small whole one in one byte, any other a double.
+        elif isinstance(x, (int, float)) and 0 <= x < 128 and x == int(x): out.append(bytes([int(x)]))
         elif isinstance(x, (int, float)): out.append(b'\xcb' + struct.pack('>d', x))
         elif isinstance(x, list): out.append(bytes([0x90 | len(x)]) + mp(*x))
         elif isinstance(x, dict):
@@ -76,8 +85,10 @@ def decision(tenant, subject, lease):
 
 def release(tenant, lease):
     base = 'admitd:{t:%d}' % tenant
-    # As admitd releases a call that answered (outcome ok): nothing refunded, the upstream report on.
-    return mp(base + ':h', base + ':ls', '%016x' % lease, 'never', True, False, -1, 1e6, -1, False, None, 0)
+    # As admitd releases a call that answered (outcome ok): nothing refunded, the upstream report on,
+    # the answer accepted and healthy (src/store/spec.rs, `release_spec`).
+    return mp(base + ':h', base + ':ls', '%016x' % lease, 'never', True, False, -1, 1e6, -1, False, None, True,
+              True, 0)
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
@@ -86,6 +97,9 @@ def main():
     ap.add_argument('--calls', type=int, default=20)
     ap.add_argument('--release', action='store_true',
                     help='release each decision in a script call of its own batch: counts a decision and its release')
+    ap.add_argument('--server', default='redis-server', help='the redis-server to run (default: on PATH)')
+    ap.add_argument('--top', type=int, default=0,
+                    help="print redis-server's N functions that ran the most instructions over the count")
     ap.add_argument('--warm', type=int, default=2,
                     help='script calls before the count: 2 leaves most keys fresh (every hash and lease set'
                          ' gets its first expiry during the count); 200 counts the steady state of a busy'
@@ -94,7 +108,7 @@ def main():
     work = tempfile.mkdtemp(prefix='script-cost-')
     port = next(p for p in range(19600, 19700) if socket.socket().connect_ex(('127.0.0.1', p)) != 0)
     out = os.path.join(work, 'cg.%p')
-    srv = subprocess.Popen(['valgrind', '--tool=callgrind', '--callgrind-out-file=' + out, 'redis-server',
+    srv = subprocess.Popen(['valgrind', '--tool=callgrind', '--callgrind-out-file=' + out, a.server,
                             '--port', str(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no',
                             '--dir', work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -137,6 +151,15 @@ def main():
         n = a.calls * 20
         what = 'decision and its release' if a.release else 'decision'
         print('%d instructions per %s, %.2f commands per %s (%d decisions)' % (total // n, what, inner / n, what, n))
+        if a.top:
+            rows = subprocess.run(['callgrind_annotate', '--inclusive=no', '--threshold=100', dumps[-1]],
+                                  check=True, capture_output=True, text=True).stdout.splitlines()
+            rows = [re.match(r'\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*)$', l) for l in rows]
+            rows = [m for m in rows if m and not m.group(2).startswith('PROGRAM TOTALS')]
+            # Exclusive counts: the entry points above main would show the whole count again.
+            rows = [m for m in rows if int(m.group(1).replace(',', '')) < total]
+            for m in rows[:a.top]:
+                print('%8d per %s  %s' % (int(m.group(1).replace(',', '')) // n, what, m.group(2)))
     finally:
         srv.terminate(); srv.wait()
 

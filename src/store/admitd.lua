@@ -124,10 +124,11 @@ local function keep_until(key, at, pushed)
   return at + SLACK
 end
 
--- Runs `cmd key item...` over `items` in chunks (Lua's unpack is bounded).
-local function chunked(cmd, key, items)
-  for i = 1, #items, 1000 do
-    redis.call(cmd, key, unpack(items, i, min(i + 999, #items)))
+-- Runs `cmd key item...` over `items` (its first `n`; nil: all) in chunks (Lua's unpack is bounded).
+local function chunked(cmd, key, items, n)
+  n = n or #items
+  for i = 1, n, 1000 do
+    redis.call(cmd, key, unpack(items, i, min(i + 999, n)))
   end
 end
 
@@ -141,7 +142,12 @@ local cache, dirty = {}, {}
 local function entry(key)
   local e = cache[key]
   if e == nil then
-    e = {v = {}, d = {}, need = 0, dirty = false}
+    -- Room for 8 fields in each table (a decision's tenant hash holds 7: x, z, two counts, two
+    -- `tat`s and the lease): a table grown key by key is rehashed at its 1st, 2nd, 3rd and 5th key.
+    -- A constructor's `k = v` items size its hash part, and a key set to nil takes no field's place
+    -- nor shows in `pairs`: `x` named 8 times is one key and room for 8.
+    e = {v = {x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil},
+      d = {x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil, x = nil}, need = 0, dirty = false}
     cache[key] = e
   end
   return e
@@ -231,6 +237,10 @@ local function keep(key, at)
 end
 
 local function flush()
+  -- One list of the fields to write for every hash (its first `n` items): a list made per hash
+  -- was a table to make and to collect per decision. Room for 8 fields (a list's items in a
+  -- constructor, nil ones too, size its array part).
+  local set = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}
   for _, key in ipairs(dirty) do
     local e = cache[key]
     local x = e.v.x
@@ -241,7 +251,7 @@ local function flush()
       e.v.x = fmt(x)
       e.d.x = true
     end
-    local set, del, n = {}, nil, 0
+    local del, n = nil, 0
     for f in pairs(e.d) do
       local v = e.v[f]
       if v then
@@ -254,7 +264,7 @@ local function flush()
         del = {f}
       end
     end
-    if n > 0 then chunked('HSET', key, set) end
+    if n > 0 then chunked('HSET', key, set, n) end
     if del then chunked('HDEL', key, del) end
     if push then expire_at(key, x) end
     e.need, e.dirty = 0, false
@@ -480,8 +490,9 @@ end
 
 -- A live lease of the tenant's hash `h`, parsed; nil when there is none (or it has ended).
 local function read_lease(h, id)
-  load(h, {'l:' .. id})
-  local v = hget(h, 'l:' .. id)
+  local f = 'l:' .. id
+  load(h, {f})
+  local v = hget(h, f)
   if not v then return nil end
   local day, hu, started, ends, incs, flags, d =
     match(v, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
@@ -493,11 +504,18 @@ end
 
 -- The counts of a lease-set member (`ID` + scopes + subject) move by `by`.
 local function count(h, member, by)
-  local scopes, subject = sub(member, 17, 17), sub(member, 18)
-  local fields = {}
-  if scopes == 't' or scopes == 'b' then fields[#fields + 1] = 't|n' end
-  if scopes == 's' or scopes == 'b' then fields[#fields + 1] = 's:' .. subject .. '|n' end
-  if #fields == 0 then return end
+  local scopes = sub(member, 17, 17)
+  -- The list made whole (one grown item by item is rehashed at each).
+  local fields
+  if scopes == 'b' then
+    fields = {'t|n', 's:' .. sub(member, 18) .. '|n'}
+  elseif scopes == 't' then
+    fields = {'t|n'}
+  elseif scopes == 's' then
+    fields = {'s:' .. sub(member, 18) .. '|n'}
+  else
+    return
+  end
   load(h, fields)
   for _, f in ipairs(fields) do
     hput(h, f, max(hnum(h, f, 0) + by, 0))
@@ -823,7 +841,9 @@ local function op_decide()
   layer_end = FIRST + a[20] * LW
   local conc0 = layer_end + 1                     -- the first concurrency scope's offset
   local conc_end = conc0 + a[layer_end] * CW
-  local more = {}
+  -- Room for the tenant hash's fields (the lease set's cursor, the scopes' counts, the layers'
+  -- `tat`s) without a rehash as the list grows.
+  local more = {nil, nil, nil, nil, nil, nil, nil, nil}
   if own then
     more[1] = 'z'
     if a[16] then more[2] = 'ix' end
@@ -837,7 +857,9 @@ local function op_decide()
   -- Upstream penalty: refused until the upstream's Retry-After has passed, promised the slot of the
   -- upstream's bucket after it (or a staggered instant, for an upstream without a bucket).
   local pen_wait, pen = 0, nil
-  for _, p in ipairs(pens) do
+  -- The rare lists are walked by index: `ipairs` is two C calls even over an empty list.
+  for i = 1, #pens do
+    local p = pens[i]
     local untl = num(redis.call('HGET', p.k, 'until'), 0)
     if untl > now and untl - now > pen_wait then pen_wait, pen = untl - now, p end
   end
@@ -857,7 +879,8 @@ local function op_decide()
   end
 
   -- Adaptive throttling: refuse locally with the SRE probability over the upstream's window.
-  for _, w in ipairs(ads) do
+  for i = 1, #ads do
+    local w = ads[i]
     local req, acc = sre_totals(w.k, w.w)
     local prob = reject_probability(req, acc, w.K, w.min or 0)
     if a[13] < prob then
@@ -933,7 +956,8 @@ local function op_decide()
 
   -- Daily quota per UTC day of the store's clock.
   local day = floor(now / DAY)
-  for _, q in ipairs(quotas) do
+  for i = 1, #quotas do
+    local q = quotas[i]
     local used = num(redis.call('HGET', q.k, DAYS), 0)
     if used + a[8] > q.q + 1e-9 then
       local wait = (day + 1) * DAY - now
@@ -945,7 +969,8 @@ local function op_decide()
   -- (a hash by day, like a quota), a run's while the run is remembered (a counter that expires
   -- `idle` after the run's last call). A budget may be below zero (a call cost more than its
   -- estimate): it then refuses until it is back above the estimate.
-  for ui, u in ipairs(spend) do
+  for ui = 1, #spend do
+    local u = spend[ui]
     for bi, b in ipairs(u.b) do
       local used
       if b.run then used = num(redis.call('GET', b.k), 0) else used = num(redis.call('HGET', b.k, DAYS), 0) end
@@ -995,11 +1020,13 @@ local function op_decide()
     tat = tat + a[o + 12]
     hput(a[o], a[o + 1], tat, tat + GRACE)
   end
-  for _, q in ipairs(quotas) do
+  for i = 1, #quotas do
+    local q = quotas[i]
     redis.call('HINCRBYFLOAT', q.k, DAYS, fmt(a[8]))
     expire_at(q.k, (day + 1) * DAY + KEEP)
   end
-  for _, u in ipairs(spend) do
+  for i = 1, #spend do
+    local u = spend[i]
     for _, b in ipairs(u.b) do
       if b.run then
         if u.n ~= 0 then redis.call('INCRBYFLOAT', b.k, fmt(u.n)) end
@@ -1016,9 +1043,10 @@ local function op_decide()
       expire_at(u.t, (day + 1) * DAY + KEEP)
     end
   end
-  local r = layer_report(a, {'ok', hold == 0 and '0' or fmt(hold)}, true)
-  for _, u in ipairs(spend) do
-    for _, b in ipairs(u.b) do r[#r + 1] = fmt(b.left) end
+  -- Room for four layers' report (a list grown item by item is rehashed at its 3rd and 5th item).
+  local r = layer_report(a, {'ok', hold == 0 and '0' or fmt(hold), nil, nil, nil, nil, nil, nil, nil, nil}, true)
+  for i = 1, #spend do
+    for _, b in ipairs(spend[i].b) do r[#r + 1] = fmt(b.left) end
   end
   if not own then
     -- A cross-tenant part of a cluster's call (no spend budget: those are the tenant's): what each
@@ -1119,6 +1147,17 @@ local function release_spec(body)
   return s
 end
 
+-- What each layer of the lease `l` (its data `d`) took, as {key, field prefix, microseconds}: read
+-- only by a release that gives tokens back or settles a cost (decoding it for every release was a
+-- JSON decode and a table per layer).
+local function lease_incs(l, d)
+  local incs = {}
+  if l.flags ~= 'n' then
+    for i, v in ipairs(cjson.decode(l.incs)) do incs[i] = {d.keys[i][1], d.keys[i][2], v} end
+  end
+  return incs
+end
+
 local function op_release()
   local h = spec.h
   local l = read_lease(h, spec.id)
@@ -1126,17 +1165,12 @@ local function op_release()
   local d = lease_data(l.d)
   hput(h, 'l:' .. spec.id, nil)
   if redis.call('ZREM', spec.z, d.m) == 1 then count(h, d.m, -1) end
-  local incs = {}
-  if l.flags == 'n' then
-    d.cost, d.quotas = 0, {}
-  else
-    for i, v in ipairs(cjson.decode(l.incs)) do incs[i] = {d.keys[i][1], d.keys[i][2], v} end
-  end
+  if l.flags == 'n' then d.cost, d.quotas = 0, {} end
   -- refund: 'always' (a held caller went away), 'never' (an edge admission ends), or 'hold' (a
   -- cancellation refunds only while the call was still held: after that the call ran).
   local give_back = spec.refund == 'always' or (spec.refund == 'hold' and now < tonumber(l.hold_until))
   if give_back then
-    refund(incs)
+    refund(lease_incs(l, d))
     for _, q in ipairs(d.quotas) do
       local used = num(redis.call('HGET', q, l.day), 0)
       redis.call('HSET', q, l.day, fmt(max(used - d.cost, 0)))
@@ -1151,7 +1185,7 @@ local function op_release()
     local diff = d.cost - spec.cost
     if diff ~= 0 then
       local share = math.abs(diff) / d.cost
-      for _, kv in ipairs(incs) do
+      for _, kv in ipairs(lease_incs(l, d)) do
         local inc = floor(kv[3] * share)
         if inc > 0 and diff > 0 then
           refund({{kv[1], kv[2], inc}})
