@@ -70,19 +70,20 @@ impl Pack {
     }
 
     pub(super) fn array(&mut self, n: usize) {
-        if n < 16 {
-            self.0.push(0x90 | n as u8);
-        } else {
-            self.0.push(0xdd);
-            self.0.extend_from_slice(&(n as u32).to_be_bytes());
-        }
+        self.container(0x90, 0xdd, n);
     }
 
     pub(super) fn map(&mut self, n: usize) {
+        self.container(0x80, 0xdf, n);
+    }
+
+    /// The header of an array or map of `n` items: `fix | n` in one byte below 16, else `wide`
+    /// and a 32-bit count.
+    fn container(&mut self, fix: u8, wide: u8, n: usize) {
         if n < 16 {
-            self.0.push(0x80 | n as u8);
+            self.0.push(fix | n as u8);
         } else {
-            self.0.push(0xdf);
+            self.0.push(wide);
             self.0.extend_from_slice(&(n as u32).to_be_bytes());
         }
     }
@@ -123,5 +124,15 @@ mod tests {
             p.num(x);
             assert_eq!((p.0[0], p.0.len()), (0xcb, 9), "{x}");
         }
+    }
+
+    #[test]
+    fn arrays_and_maps_of_16_or_more_items_take_a_32_bit_count() {
+        let mut p = Pack::default();
+        p.array(3);
+        p.map(15);
+        p.array(16);
+        p.map(70_000);
+        assert_eq!(p.0, [0x93, 0x8f, 0xdd, 0, 0, 0, 16, 0xdf, 0, 1, 0x11, 0x70]);
     }
 }
